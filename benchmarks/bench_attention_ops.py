@@ -1,0 +1,119 @@
+"""GPU micro-benchmark: paged decode attention kernel vs device-to-device copy bandwidth.
+
+Achieved bandwidth = bytes of K/V read (sum(seq_lens) * Hkv * D * 2 bytes * 2) / kernel time, both
+split and reduce kernels included; q, out and the split buffers are not counted. The copy reference
+is a large torch copy_ timed in the same run, counting bytes read + written. L2 is flushed before
+every timed call (triton.testing.do_bench), so short contexts are not flattered by the 60 MB L2.
+
+    python benchmarks/bench_attention_ops.py --out benchmarks/results/attn_ops.json [--sweep]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sketchkv.ops.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton  # noqa: E402
+
+
+def make_cache(seq_lens, Hkv, D, bs):
+    nblk = [triton.cdiv(n, bs) for n in seq_lens]
+    num_blocks = sum(nblk)
+    k_cache = torch.randn(num_blocks, bs, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device="cuda").int()  # scattered blocks, like a real cache
+    bt = torch.full((len(seq_lens), max(nblk)), -1, dtype=torch.int32, device="cuda")
+    i = 0
+    for b, n in enumerate(nblk):
+        bt[b, :n] = perm[i:i + n]
+        i += n
+    return k_cache, v_cache, bt, torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+
+
+def copy_bandwidth(nbytes=4 << 30):
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * nbytes / ms / 1e6  # GB/s, read + write
+
+
+def bench_decode(seq_lens, Hq, Hkv, D, bs, check=True, **kw):
+    k_cache, v_cache, bt, lens = make_cache(seq_lens, Hkv, D, bs)
+    q = torch.randn(len(seq_lens), Hq, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    fn = lambda: paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, D ** -0.5, out=out, **kw)  # noqa: E731
+    fn()
+    err = None
+    if check:  # a fast wrong kernel is worth nothing: relative L2 error vs the fp32 reference
+        ref = paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, D ** -0.5).float()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+    ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+    nbytes = sum(seq_lens) * Hkv * D * 2 * 2
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+    return {"ms": ms, "kv_bytes": nbytes, "gbps": nbytes / ms / 1e6, "rel_err": err}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--hq", type=int, default=24)
+    ap.add_argument("--hkv", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--block-size", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--sweep", action="store_true", help="also try tile / warp / stage / split settings")
+    args = ap.parse_args()
+    Hq, Hkv, D = args.hq, args.hkv, args.head_dim
+
+    copy_gbps = copy_bandwidth()
+    cases = [  # (name, seq_lens)
+        ("B1 4K", [4096]), ("B1 32K", [32768]), ("B1 128K", [131072]),
+        ("B8 4K", [4096] * 8), ("B8 32K", [32768] * 8), ("B8 128K", [131072] * 8),
+        ("B32 8K", [8192] * 32),
+        ("B8 mixed", [1, 100, 4097, 16000, 33333, 65537, 100003, 131072]),
+    ]
+    rows = []
+    for bs in args.block_size:
+        for name, lens in cases:
+            r = bench_decode(lens, Hq, Hkv, D, bs)
+            rows.append({"case": name, "block_size": bs, "seq_lens": lens, **r})
+    sweep = []
+    if args.sweep:
+        lens = [131072] * 8
+        for block_n in (16, 32, 64):
+            for num_warps in (2, 4, 8):
+                for num_stages in (1, 2, 3, 4):
+                    try:
+                        r = bench_decode(lens, Hq, Hkv, D, 16, check=False, block_n=block_n,
+                                         num_warps=num_warps, num_stages=num_stages)
+                    except Exception as e:  # e.g. out of shared memory for big tiles x stages
+                        r = {"error": repr(e)[:200]}
+                    sweep.append({"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, **r})
+        for B, L in ((1, 32768), (8, 32768), (8, 131072)):
+            for ns in (8, 16, 32, 64, 128, 256):
+                r = bench_decode([L] * B, Hq, Hkv, D, 16, check=False, num_splits=ns)
+                sweep.append({"B": B, "L": L, "num_splits": ns, **r})
+
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}: copy {copy_gbps:.0f} GB/s (read+write). Hq={Hq} Hkv={Hkv} D={D} bf16")
+    print(f"{'case':<10} {'bs':>3} {'ms':>8} {'GB/s':>7} {'% copy':>7} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['case']:<10} {r['block_size']:>3} {r['ms']:>8.3f} {r['gbps']:>7.0f} "
+              f"{100 * r['gbps'] / copy_gbps:>6.1f}% {r['rel_err']:>8.1e}")
+    if sweep:
+        print("sweep (B8 128K, bs 16 unless noted):")
+        for r in sweep:
+            cfg = {k: v for k, v in r.items() if k not in ("ms", "kv_bytes", "gbps", "rel_err", "error")}
+            print(" ", cfg, f"{r['gbps']:.0f} GB/s {r['ms']:.3f} ms" if "gbps" in r else r["error"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "device": props.name, "torch": torch.__version__, "triton": triton.__version__,
+        "Hq": Hq, "Hkv": Hkv, "D": D, "copy_gbps": copy_gbps, "rows": rows, "sweep": sweep}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

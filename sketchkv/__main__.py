@@ -1,0 +1,5 @@
+import sys
+
+from sketchkv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""`sketchkv` command line. Errors in user input print one line and exit 2, without a traceback."""
+import argparse
+import sys
+
+from sketchkv.config import add_dataclass_args, default_model
+from sketchkv.errors import SketchKVError
+
+
+def _generate(args) -> None:
+    from sketchkv.config import build_config
+    from sketchkv.engine.llm_engine import LLMEngine
+    from sketchkv.sampling_params import SamplingParams
+    engine = LLMEngine(build_config(args, model=args.model))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed_sampling, max_tokens=args.max_tokens, stop=args.stop or None)
+    prompt = args.prompt
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            prompt = f.read()
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    seq = engine.add_request(prompt, params)
+    printed = 0
+    if not args.chat:
+        sys.stdout.write(prompt)
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.request_id == seq.request_id and not out.finished:
+                sys.stdout.write(out.text[printed:])
+                printed = len(out.text)
+                sys.stdout.flush()
+            if out.finished:
+                sys.stdout.write(out.text[printed:] + "\n")
+                print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated, "
+                      f"finish: {out.finish_reason}]", file=sys.stderr)
+
+
+DEFAULT_PROMPT = "import torch\nfrom torch import nn\n\n\nclass"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sketchkv", description=__doc__.split(".")[0] if __doc__ else None)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt (default model: the bundled reference model)")
+    g.add_argument("--model", default=default_model(), help="Hugging Face model directory (default: bundled)")
+    g.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    g.add_argument("--prompt-file", help="read the prompt from this file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed-sampling", type=int, default=0, help="sampling seed (same seed, same text)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    add_dataclass_args(g)
+    g.set_defaults(func=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except SketchKVError as e:
+        print(f"sketchkv: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Engine knobs, one dataclass per concern. CLI flags and SKETCHKV_* environment variables map onto
+the fields mechanically (see `add_dataclass_args` / `from_env`)."""
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+
+
+def default_model() -> str:
+    """The bundled reference model (sketchkv/assets/reference-model) is every command's default."""
+    return os.path.join(os.path.dirname(__file__), "assets", "reference-model")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = field(default=64, metadata={"help": "tokens per KV block (power of two)"})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": "None: size from memory (GPU) or from max_model_len x max_num_seqs (CPU)"})
+    gpu_memory_utilization: float = field(default=0.90, metadata={"help": "fraction of GPU memory the engine may use in total"})
+    cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "KV budget on CPU"})
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences running at once (also the number of GDN state slots)"})
+    max_num_batched_tokens: int = field(default=8192, metadata={"help": "tokens per step: prefill chunks + decode tokens"})
+    max_model_len: int | None = field(default=None, metadata={"help": "default: the model's max_position_embeddings"})
+
+
+@dataclass
+class EngineConfig:
+    model: str = field(default_factory=default_model)
+    dtype: str = field(default="auto", metadata={"help": "auto: bfloat16 on GPU, float32 on CPU"})
+    device: str = field(default="auto", metadata={"help": "auto: cuda if available else cpu"})
+    seed: int = 0
+    enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs for decode"})
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+FLAT_SECTIONS = ("cache", "scheduler")
+
+
+def flat_fields(cfg_cls=EngineConfig):
+    """(name, section-or-None, field) for every knob, sections flattened."""
+    for f in fields(cfg_cls):
+        if f.name in FLAT_SECTIONS:
+            sub = f.default_factory
+            for g in fields(sub):
+                yield g.name, f.name, g
+        else:
+            yield f.name, None, f
+
+
+def _parse(value: str, typ):
+    typ = str(typ)
+    if "bool" in typ:
+        return value.lower() in ("1", "true", "yes", "on")
+    if "int" in typ:
+        return None if value.lower() == "none" else int(value)
+    if "float" in typ:
+        return float(value)
+    return value
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, skip=("model",)) -> None:
+    for name, _, f in flat_fields():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if "bool" in str(f.type):
+            parser.add_argument(flag, action="store_true", default=None, help=_help(name, f))
+        else:
+            parser.add_argument(flag, default=None, help=_help(name, f))
+
+
+def _help(name: str, f) -> str:
+    default = f.default if f.default is not dataclasses.MISSING else "(see docs)"
+    return f"{f.metadata.get('help', '')} [default: {default}; env SKETCHKV_{name.upper()}]".strip()
+
+
+def build_config(args: argparse.Namespace | None = None, **overrides) -> EngineConfig:
+    """Defaults < SKETCHKV_* environment < CLI flags < keyword overrides."""
+    cfg = EngineConfig()
+    for name, section, f in flat_fields():
+        value = os.environ.get(f"SKETCHKV_{name.upper()}")
+        value = _parse(value, f.type) if value is not None else None
+        if args is not None and getattr(args, name, None) is not None:
+            v = getattr(args, name)
+            value = _parse(v, f.type) if isinstance(v, str) else v
+        if name in overrides:
+            value = overrides.pop(name)
+        if value is not None:
+            target = getattr(cfg, section) if section else cfg
+            setattr(target, name, value)
+    if overrides:
+        raise TypeError(f"unknown engine option(s): {', '.join(overrides)}")
+    return cfg
+
+
+def to_dict(cfg: EngineConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,40 @@
+"""Per-step batch metadata, set by the model runner before a forward and read by the layers.
+
+Models never see paging: a forward takes flat `input_ids` / `positions` of all sequences in the
+step (T tokens in total) and the attention and Gated DeltaNet layers find here where each
+sequence's tokens, KV blocks and recurrent-state slot are. Every sequence contributes
+`query_len >= 1` new tokens (prefill chunk, one decode token, or several draft tokens to verify).
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    cu_seqlens_q: torch.Tensor        # [B+1] int32: sequence b's new tokens are rows cu[b]:cu[b+1]
+    seq_lens: torch.Tensor            # [B] int32: tokens in the cache after this step (cached + new)
+    slot_mapping: torch.Tensor        # [T] int64: KV-cache slot (block * block_size + offset) per new token
+    block_tables: torch.Tensor        # [B, max_blocks] int32, padded with -1
+    state_slots: torch.Tensor         # [B] int64: Gated DeltaNet state slot per sequence
+    query_lens: list[int]             # host copies, for loops and shapes
+    context_lens: list[int]           # tokens already cached before this step, per sequence
+    is_decode: bool                   # every sequence has exactly one new token
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+_CONTEXT: Context | None = None
+
+
+def set_context(ctx: Context | None) -> None:
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+def get_context() -> Context:
+    assert _CONTEXT is not None, "no forward context: the model runner sets it before each forward"
+    return _CONTEXT

@@ -1,0 +1,188 @@
+"""The engine loop: requests in, scheduled steps, tokens out."""
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sketchkv.config import EngineConfig
+from sketchkv.engine.model_runner import ModelRunner
+from sketchkv.engine.scheduler import Scheduler
+from sketchkv.engine.sequence import Sequence, Status
+from sketchkv.errors import RequestError
+from sketchkv.kv.block_manager import BlockManager
+from sketchkv.models.loader import load_model
+from sketchkv.models.tokenizer import Tokenizer
+from sketchkv.sampling_params import SamplingParams
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    num_cached_tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise RequestError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        torch.manual_seed(cfg.seed)
+        self.model_config, self.model = load_model(cfg.model, self.dtype, self.device)
+        # Random-weight presets have no tokenizer: they take token ids only.
+        self.tokenizer = None if cfg.model.startswith("random:") else Tokenizer(cfg.model)
+        self.eos_token_ids = set(self.model_config.eos_token_ids) | self._generation_eos(cfg.model)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        sc = cfg.scheduler
+        sc.max_model_len = min(sc.max_model_len or self.model_config.max_position_embeddings,
+                               self.model_config.max_position_embeddings)
+        self.runner = ModelRunner(cfg, self.model_config, self.model, self.device, self.dtype)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size)
+        self.scheduler = Scheduler(sc, self.blocks, sc.max_num_seqs)
+        self.rng = torch.Generator(device=self.device)
+        self.rng.manual_seed(cfg.seed)
+        self.requests: dict[str, Sequence] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    @staticmethod
+    def _generation_eos(path: str) -> set[int]:
+        f = os.path.join(path, "generation_config.json")
+        if not os.path.isfile(f):
+            return set()
+        with open(f) as fh:
+            eos = json.load(fh).get("eos_token_id")
+        return set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: give prompt token ids")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_len = self.cfg.scheduler.max_model_len
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= max_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context limit is {max_len} "
+                               f"(prompt + at least one generated token)")
+        if max(ids) >= self.model_config.vocab_size or min(ids) < 0:
+            raise RequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        seq = Sequence(ids, params, request_id=request_id or "")
+        if seq.request_id in self.requests:
+            raise RequestError(f"request id {seq.request_id!r} is already in flight")
+        seq.generator = torch.Generator(device=self.device)
+        seq.generator.manual_seed(params.seed if params.seed is not None
+                                  else int(torch.randint(2**62, (1,), generator=self.rng, device=self.device)))
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- stepping ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns an output for every sequence that got a new token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.waiting and not self.scheduler.running:
+                seq = self.scheduler.waiting[0]
+                raise RequestError(f"request {seq.request_id}: {len(seq)} tokens do not fit the KV cache "
+                                   f"({self.blocks.num_blocks - 1} blocks of {self.blocks.block_size})")
+            return []
+        out = self.runner.run(batch)
+        self.scheduler.after_step(batch)
+        self.stats["steps"] += 1
+        done = [seq for seq, n in batch if seq.num_cached == len(seq)]
+        outputs = []
+        for i, seq in enumerate(done):
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+                self.stats["prompt_tokens"] += seq.num_prompt_tokens
+            seq.token_ids.append(out.tokens[i])
+            self.stats["generation_tokens"] += 1
+            if out.logprobs[i] is not None:
+                seq.logprobs.append(out.logprobs[i])
+                seq.top_logprobs.append(out.top_logprobs[i])
+            self._check_stop(seq)
+            outputs.append(self._output(seq))
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+        return outputs
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p, tok, n_out = seq.params, seq.token_ids[-1], len(seq.output_token_ids)
+        reason = None
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                reason, seq.stop_reason = "stop", None
+            elif tok in p.stop_token_ids:
+                reason, seq.stop_reason = "stop", tok
+            elif p.stop and self._stop_string(seq) is not None:
+                reason = "stop"
+        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                               or len(seq) >= self.cfg.scheduler.max_model_len):
+            reason = "length"
+        if reason:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+
+    def _stop_string(self, seq: Sequence) -> str | None:
+        # Only the tail can hold a new match: decode a window covering the longest stop string.
+        text = self.tokenizer.decode(seq.output_token_ids)
+        for s in seq.params.stop:
+            if s in text:
+                seq.stop_reason = s
+                return s
+        return None
+
+    def output_text(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(seq.output_token_ids)
+        if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
+            cut = text.find(seq.stop_reason)
+            if cut >= 0:
+                text = text[:cut + (len(seq.stop_reason) if seq.params.include_stop_str_in_output else 0)]
+        return text
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        want_lp = seq.params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
+            text=self.output_text(seq), finished=seq.is_finished, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, logprobs=seq.logprobs if want_lp else None,
+            top_logprobs=seq.top_logprobs if want_lp else None, num_cached_tokens=seq.num_prompt_cached)

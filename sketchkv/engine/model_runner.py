@@ -1,0 +1,215 @@
+"""Turns a scheduled batch into tensors, runs the model, samples. Owns the KV cache, the Gated
+DeltaNet state slots and the decode CUDA graphs."""
+import math
+
+import torch
+
+from sketchkv.config import EngineConfig
+from sketchkv.engine.context import Context, set_context
+from sketchkv.engine.sequence import Sequence
+from sketchkv.layers.attention import Attention
+from sketchkv.layers.gated_deltanet import GatedDeltaNet
+from sketchkv.layers.sampler import SampleOutput, sample
+from sketchkv.models.model_config import ModelConfig
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.model_cfg, self.model = cfg, model_cfg, model
+        self.device, self.dtype = device, dtype
+        self.block_size = cfg.cache.block_size
+        self.max_model_len = cfg.scheduler.max_model_len
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        # MTP layers get caches only when speculative decoding is on.
+        self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
+        self.gdn_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        self.num_state_slots = cfg.scheduler.max_num_seqs + 1  # last slot: scratch for graph padding
+        self.scratch_slot = self.num_state_slots - 1
+        self._allocate_states()
+        self.num_blocks = cfg.cache.num_kv_blocks or self._blocks_from_budget()
+        self._allocate_kv(self.num_blocks)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if device.type == "cuda" and not cfg.enforce_eager:
+            self._capture_graphs()
+
+    # ---- memory -------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.model_cfg
+        return 2 * len(self.attn_layers) * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    @property
+    def state_bytes_per_seq(self) -> int:
+        total = 0
+        for m in self.gdn_layers:
+            conv, rec = m.state_shapes()
+            total += math.prod(conv) * self.dtype.itemsize + math.prod(rec) * 4
+        return total
+
+    def _allocate_states(self) -> None:
+        for m in self.gdn_layers:
+            conv, rec = m.state_shapes()
+            m.conv_state = torch.zeros(self.num_state_slots, *conv, dtype=self.dtype, device=self.device)
+            m.ssm_state = torch.zeros(self.num_state_slots, *rec, dtype=torch.float32, device=self.device)
+
+    def _allocate_kv(self, num_blocks: int) -> None:
+        c = self.model_cfg
+        for m in self.attn_layers:
+            shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+            m.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            m.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _blocks_from_budget(self) -> int:
+        if not self.attn_layers:
+            return 2
+        if self.device.type != "cuda":
+            budget = int(self.cfg.cache.cpu_kv_cache_gb * 2**30)
+            want = self.max_blocks_per_seq * self.cfg.scheduler.max_num_seqs + 1
+            return max(2, min(want, budget // self.kv_bytes_per_block))
+        # Measure the activation peak of a full-budget prefill with a small temporary cache.
+        n_tok = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
+        warm_blocks = math.ceil(n_tok / self.block_size) + 1
+        self._allocate_kv(warm_blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        seq = Sequence([0] * n_tok, params=None)
+        seq.block_table = list(range(1, warm_blocks))
+        seq.state_slot = self.scratch_slot
+        self.run([(seq, n_tok)], sample_now=False)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.mem_get_info(self.device)[1]
+        warm_bytes = warm_blocks * self.kv_bytes_per_block
+        free = total * self.cfg.cache.gpu_memory_utilization - (peak - warm_bytes)
+        self._allocate_kv(0)
+        torch.cuda.empty_cache()
+        blocks = int(free // self.kv_bytes_per_block)
+        if blocks < 2:
+            from sketchkv.errors import CapacityError
+            raise CapacityError(f"no GPU memory left for the KV cache (peak use {peak / 2**30:.1f} GiB of "
+                                f"{total / 2**30:.1f} GiB at gpu_memory_utilization="
+                                f"{self.cfg.cache.gpu_memory_utilization})")
+        return blocks
+
+    # ---- batch -> tensors ----------------------------------------------------------------------
+    def _context(self, batch: list[tuple[Sequence, int]]):
+        ids, pos, slots = [], [], []
+        for seq, n in batch:
+            start = seq.num_cached
+            ids += seq.token_ids[start:start + n]
+            pos += range(start, start + n)
+            for p in range(start, start + n):
+                slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
+        qlens = [n for _, n in batch]
+        cached = [seq.num_cached for seq, _ in batch]
+        width = max(len(seq.block_table) for seq, _ in batch)
+        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _ in batch]
+        cu = [0]
+        for n in qlens:
+            cu.append(cu[-1] + n)
+        t = lambda x, dt: torch.tensor(x, dtype=dt, device=self.device)
+        ctx = Context(
+            cu_seqlens_q=t(cu, torch.int32), seq_lens=t([c + n for c, n in zip(cached, qlens)], torch.int32),
+            slot_mapping=t(slots, torch.int64), block_tables=t(tables, torch.int32),
+            state_slots=t([seq.state_slot for seq, _ in batch], torch.int64),
+            query_lens=qlens, context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
+            max_seq_len=max(c + n for c, n in zip(cached, qlens)))
+        return t(ids, torch.int64), t(pos, torch.int64), ctx
+
+    def _zero_fresh_slots(self, batch) -> None:
+        fresh = [seq.state_slot for seq, _ in batch if seq.num_cached == 0]
+        if fresh:
+            idx = torch.tensor(fresh, device=self.device)
+            for m in self.gdn_layers:
+                m.conv_state.index_fill_(0, idx, 0)
+                m.ssm_state.index_fill_(0, idx, 0)
+
+    # ---- forward -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Sequence, int]], sample_now: bool = True) -> SampleOutput | torch.Tensor:
+        """One model step. Returns samples for the sequences whose last token was computed
+        (decodes, and prefills that reached the end of their tokens)."""
+        self._zero_fresh_slots(batch)
+        input_ids, positions, ctx = self._context(batch)
+        bucket = self._graph_bucket(len(batch)) if ctx.is_decode else None
+        if bucket is not None:
+            hidden = self._replay(input_ids, positions, ctx, bucket)
+        else:
+            set_context(ctx)
+            hidden = self.model(input_ids, positions)
+            set_context(None)
+        last = [i for i, (seq, n) in enumerate(batch) if seq.num_cached + n == len(seq)]
+        rows = torch.tensor([sum(ctx.query_lens[:i + 1]) - 1 for i in last], dtype=torch.long, device=self.device) \
+            if not ctx.is_decode else None
+        h = hidden if ctx.is_decode else hidden[rows]
+        logits = self.model.compute_logits(h)
+        if not sample_now:
+            return logits
+        seqs = [batch[i][0] for i in last]
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+
+    @torch.inference_mode()
+    def logits_for(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Logits at every new token of the step (teacher-forced evaluation), [T, vocab]."""
+        self._zero_fresh_slots(batch)
+        input_ids, positions, ctx = self._context(batch)
+        set_context(ctx)
+        hidden = self.model(input_ids, positions)
+        set_context(None)
+        return self.model.compute_logits(hidden)
+
+    # ---- CUDA graphs for decode ----------------------------------------------------------------
+    def _graph_bucket(self, bs: int) -> int | None:
+        return min((b for b in self.graphs if b >= bs), default=None)
+
+    def _capture_graphs(self) -> None:
+        max_bs = self.cfg.scheduler.max_num_seqs
+        sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
+        dev = self.device
+        self.g_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_pos = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # slot 0: scratch block
+        self.g_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.g_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.g_state_slots = torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=dev)
+        self.g_out = torch.zeros(max_bs, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
+        self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        pool = None
+        for bs in reversed(sizes):
+            ctx = self._graph_context(bs)
+            set_context(ctx)
+            with torch.inference_mode():
+                for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                    self.g_out[:bs] = self.model(self.g_ids[:bs], self.g_pos[:bs])
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.g_out[:bs] = self.model(self.g_ids[:bs], self.g_pos[:bs])
+            set_context(None)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(dev)
+
+    def _graph_context(self, bs: int) -> Context:
+        return Context(cu_seqlens_q=self.g_cu[:bs + 1], seq_lens=self.g_seq_lens[:bs],
+                       slot_mapping=self.g_slot_mapping[:bs], block_tables=self.g_tables[:bs],
+                       state_slots=self.g_state_slots[:bs], query_lens=[1] * bs, context_lens=[1] * bs,
+                       is_decode=True, max_seq_len=self.max_model_len)
+
+    def _replay(self, input_ids, positions, ctx: Context, bucket: int) -> torch.Tensor:
+        bs = len(ctx.query_lens)
+        # Padded rows attend to one token of the scratch block and update the scratch state slot.
+        self.g_ids[:bucket].zero_()
+        self.g_pos[:bucket].zero_()
+        self.g_slot_mapping[:bucket].zero_()
+        self.g_tables[:bucket].zero_()
+        self.g_seq_lens[:bucket].fill_(1)
+        self.g_state_slots[:bucket].fill_(self.scratch_slot)
+        self.g_ids[:bs] = input_ids
+        self.g_pos[:bs] = positions
+        self.g_slot_mapping[:bs] = ctx.slot_mapping
+        self.g_tables[:bs, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0)
+        self.g_seq_lens[:bs] = ctx.seq_lens
+        self.g_state_slots[:bs] = ctx.state_slots
+        self.graphs[bucket].replay()
+        return self.g_out[:bs]

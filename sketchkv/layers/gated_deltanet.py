@@ -1,0 +1,60 @@
+"""Gated DeltaNet token mixer (Qwen3-Next / Qwen3.5 linear-attention layers) over per-sequence state slots."""
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from sketchkv.engine.context import get_context
+from sketchkv.layers.norms import GatedRMSNorm
+from sketchkv.ops.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen, conv_state_shape
+from sketchkv.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_varlen
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int, eps: float):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
+        self.conv1d = nn.Module()  # keeps the checkpoint name conv1d.weight [conv_dim, 1, kernel]
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps=eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        # Bound by the model runner: one row per sequence slot
+        self.conv_state = self.ssm_state = torch.tensor([])
+
+    def state_shapes(self) -> tuple[tuple, tuple]:
+        """Per-slot (conv, recurrent) state shapes; the recurrent state is kept in fp32."""
+        return conv_state_shape(self.conv_dim, self.conv_kernel), \
+            (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        T = x.shape[0]
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        w = self.conv1d.weight.squeeze(1)
+        if ctx.is_decode:
+            qkv = causal_conv1d_decode(qkv, w, None, self.conv_state, ctx.state_slots)
+        else:
+            qkv = causal_conv1d_varlen(qkv, w, None, self.conv_state, ctx.state_slots, ctx.cu_seqlens_q)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        if ctx.is_decode:
+            o = gated_delta_rule_decode(q, k, v, g, beta, self.ssm_state, ctx.state_slots)
+        else:
+            o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state, ctx.state_slots, ctx.cu_seqlens_q)
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(T, self.value_dim))

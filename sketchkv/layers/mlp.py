@@ -1,0 +1,52 @@
+"""Feed-forward blocks: SwiGLU MLP and the Qwen3-Next sparse MoE with a gated shared expert."""
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Routed top-k experts (softmax router, optional renormalisation) + sigmoid-gated shared expert.
+
+    Expert weights are stacked [E, 2I, H] / [E, H, I] (transformers 5 layout); the loader also
+    accepts per-expert `experts.{e}.{gate,up,down}_proj.weight` tensors and stacks them.
+    """
+
+    def __init__(self, hidden: int, moe_intermediate: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, shared_intermediate: int):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate, hidden))
+        self.experts.down_proj = nn.Parameter(torch.empty(num_experts, hidden, moe_intermediate))
+        self.shared_expert = MLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_intermediate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        # Loop over the experts that got tokens; fine for decode and CPU. A grouped GEMM is the
+        # GPU upgrade for large MoE models.
+        for e in torch.unique(experts).tolist():
+            tok, slot = torch.where(experts == e)
+            gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e])
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

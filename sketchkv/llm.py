@@ -1,0 +1,41 @@
+"""The Python API, in vLLM's shape: LLM(model=DIR).generate(prompts, SamplingParams(...))."""
+from tqdm import tqdm
+
+from sketchkv.config import build_config
+from sketchkv.engine.llm_engine import LLMEngine, RequestOutput
+from sketchkv.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", **options):
+        """`options`: any EngineConfig / CacheConfig / SchedulerConfig field (e.g. max_num_seqs=8)."""
+        kw = dict(dtype=dtype, device=device, **options)
+        if model is not None:
+            kw["model"] = model
+        self.engine = LLMEngine(build_config(**kw))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        items = prompts if prompts is not None else prompt_token_ids
+        if items is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(items)
+        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(items, params)]
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([prompt], sampling_params)[0]

@@ -1,0 +1,142 @@
+"""Hugging Face checkpoint directory -> (ModelConfig, model on the target device and dtype).
+
+Tensors are read one at a time from safetensors straight onto the target device and copied
+into parameters that were allocated there, so the weights never exist twice in host RAM.
+Every problem with the directory is a CheckpointError naming the file or tensor.
+"""
+import json
+import os
+import struct
+
+import torch
+from safetensors import safe_open
+
+from sketchkv.errors import CheckpointError
+from sketchkv.models.llama import LlamaForCausalLM
+from sketchkv.models.model_config import ModelConfig
+from sketchkv.models.presets import preset_config, randomize
+from sketchkv.models.qwen3_5 import Qwen3_5ForCausalLM
+from sketchkv.models.weights import expert_slices
+
+ARCHITECTURES = {"hybrid": Qwen3_5ForCausalLM, "dense": LlamaForCausalLM}
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
+
+
+def load_config(path: str) -> ModelConfig:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: model directory not found")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise CheckpointError(f"{cfg_file}: missing (a Hugging Face model directory needs config.json)")
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    return ModelConfig.from_hf(raw, cfg_file)
+
+
+def weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        files = [os.path.join(path, s) for s in shards]
+        for f in files:
+            if not os.path.isfile(f):
+                raise CheckpointError(f"{f}: shard listed in model.safetensors.index.json is missing")
+        return files
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights found")
+    return files
+
+
+def _check_file(file: str) -> None:
+    """safetensors opens a truncated file lazily; check header and data size up front."""
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if header is None:
+        raise CheckpointError(f"{file}: corrupt safetensors header")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{file}: truncated ({size} bytes, header describes {8 + n + end})")
+
+
+def normalize_name(name: str) -> str | None:
+    """Checkpoint tensor name -> our parameter name, or None to skip (vision tower)."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Parameters allocated (uninitialised) directly on the target device in the target dtype."""
+    with torch.device(device):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return ARCHITECTURES[cfg.family](cfg)
+        finally:
+            torch.set_default_dtype(prev)
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, torch.nn.Module]:
+    """A checkpoint directory, or `random:PRESET` for a random-weight model of a named shape."""
+    if path.startswith("random:"):
+        cfg, _ = preset_config(path[len("random:"):])
+        model = build_model(cfg, dtype, device)
+        randomize(model)
+        return cfg, model.eval()
+    cfg = load_config(path)
+    files = weight_files(path)
+    for f in files:
+        _check_file(f)
+    model = build_model(cfg, dtype, device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    dev = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device=dev) as f:
+                for key in f.keys():
+                    name = normalize_name(key)
+                    if name is None or (name.startswith("mtp.") and model_has_no(params, "mtp.")):
+                        continue
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue
+                    try:
+                        filled.update(model.load_weight(name, f.get_tensor(key), params))
+                    except CheckpointError as e:
+                        raise CheckpointError(f"{file}: {e}") from None
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for damaged files
+            raise CheckpointError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from None
+    missing = [n for n in params if n not in filled and not _filled_by_slices(n, params, filled)
+               and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:3])}{more}")
+    model.eval()
+    return cfg, model
+
+
+def model_has_no(params: dict, prefix: str) -> bool:
+    return not any(n.startswith(prefix) for n in params)
+
+
+def _filled_by_slices(name: str, params: dict, filled: set[str]) -> bool:
+    if not (name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj")):
+        return False
+    return expert_slices(name, params[name].shape[0]) <= filled

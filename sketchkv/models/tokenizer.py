@@ -1,0 +1,57 @@
+"""Tokenizer from tokenizer.json (+ tokenizer_config.json for special tokens and the chat template)."""
+import json
+import os
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from sketchkv.errors import CheckpointError, RequestError
+
+
+def _token_str(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing (sketchkv needs a fast-tokenizer tokenizer.json)")
+        try:
+            self.tok = HFTokenizer.from_file(file)
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot load ({e})") from None
+        cfg = {}
+        cfg_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg_file):
+            with open(cfg_file) as f:
+                cfg = json.load(f)
+        self.chat_template = cfg.get("chat_template")
+        tmpl_file = os.path.join(path, "chat_template.jinja")
+        if self.chat_template is None and os.path.isfile(tmpl_file):
+            with open(tmpl_file) as f:
+                self.chat_template = f.read()
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise RequestError("this model's tokenizer has no chat template; use the completions API")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def _raise(msg: str):
+    raise RequestError(f"chat template: {msg}")

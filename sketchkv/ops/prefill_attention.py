@@ -1,0 +1,82 @@
+"""Prefill attention with a cached prefix: Lq new queries over Lk = prefix + Lq keys.
+
+Query i sits at absolute position Lk - Lq + i and sees keys 0 .. Lk - Lq + i. Layout is token-major
+like the KV cache: q [Lq, Hq, D], k / v [Lk, Hkv, D], GQA with query head h -> kv head h // (Hq // Hkv).
+
+Fast path: flash attention through SDPA's aten ops. With a prefix we never build an Lq x Lk mask:
+(queries vs prefix keys, no mask) and (queries vs new keys, causal; square so top-left == bottom-right)
+are two flash calls whose outputs are merged with their log-sum-exps.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def prefix_causal_attention_ref(q, k, v, scale, chunk=1024):
+    """fp32 reference, output [Lq, Hq, D] in q.dtype. Queries in chunks to bound the score memory."""
+    Lq, Hq, D = q.shape
+    Lk, Hkv, _ = k.shape
+    assert Lk >= Lq and Hq % Hkv == 0
+    G = Hq // Hkv
+    kf, vf = k.float(), v.float()
+    out = torch.empty(Lq, Hq, D, dtype=q.dtype, device=q.device)
+    key_pos = torch.arange(Lk, device=q.device)
+    for i in range(0, Lq, chunk):
+        qc = q[i:i + chunk].float().view(-1, Hkv, G, D)
+        s = torch.einsum("qhgd,khd->hgqk", qc, kf) * scale
+        pos = Lk - Lq + i + torch.arange(qc.shape[0], device=q.device)
+        s.masked_fill_(key_pos[None, :] > pos[:, None], float("-inf"))
+        o = torch.einsum("hgqk,khd->qhgd", s.softmax(-1), vf)
+        out[i:i + chunk] = o.reshape(-1, Hq, D).to(q.dtype)
+    return out
+
+
+def _flash(q, k, v, causal, scale):
+    """q [1, Hq, L, D], k / v [1, Hkv, Lk, D] -> (out [1, Hq, L, D] in q.dtype, lse [1, Hq, L] fp32, ln)."""
+    if q.is_cuda:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    else:
+        r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return r[0], r[1][..., : q.shape[2]]
+
+
+def _masked_attention(q, k, v, scale):
+    """Fallback for inputs flash can't take: SDPA with an explicit mask, queries in chunks so the
+    mask and any materialised fp32 scores stay under ~1 GB."""
+    Lq, Hq, _ = q.shape
+    Lk = k.shape[0]
+    chunk = max(1, (1 << 30) // (Hq * Lk * 4))
+    kt, vt = k.transpose(0, 1), v.transpose(0, 1)
+    key_pos = torch.arange(Lk, device=q.device)
+    out = torch.empty_like(q)
+    for i in range(0, Lq, chunk):
+        qc = q[i:i + chunk]
+        pos = Lk - Lq + i + torch.arange(qc.shape[0], device=q.device)
+        mask = key_pos[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(qc.transpose(0, 1), kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[i:i + chunk] = o.transpose(0, 1)
+    return out
+
+
+def prefix_causal_attention(q, k, v, scale):
+    """q [Lq, Hq, D], k / v [Lk, Hkv, D] (Lk >= Lq) -> out [Lq, Hq, D] contiguous, q.dtype."""
+    Lq, Hq, D = q.shape
+    Lk, Hkv, _ = k.shape
+    assert Lk >= Lq and Hq % Hkv == 0 and k.shape == v.shape
+    if Lq == 0:
+        return q.new_empty(q.shape)
+    flash_ok = (q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256) if q.is_cuda else True
+    if not flash_ok:
+        return _masked_attention(q, k, v, scale)
+    qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D] views; flash wants only the last dim contiguous
+    kt = k.transpose(0, 1).unsqueeze(0)
+    vt = v.transpose(0, 1).unsqueeze(0)
+    P = Lk - Lq
+    if P == 0:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=Hq != Hkv)
+        return o[0].transpose(0, 1).contiguous()
+    o1, l1 = _flash(qt, kt[:, :, :P], vt[:, :, :P], False, scale)  # all prefix keys visible to every query
+    o2, l2 = _flash(qt, kt[:, :, P:], vt[:, :, P:], True, scale)   # new keys: square causal
+    lse = torch.logaddexp(l1, l2)
+    o = o1.float() * (l1 - lse).exp_().unsqueeze(-1)
+    o.addcmul_(o2.float(), (l2 - lse).exp_().unsqueeze(-1))
+    return o[0].transpose(0, 1).to(q.dtype).contiguous()

@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written with transformers' save_pretrained."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+# transformers binds fla's kernels at import time when fla is installed, and they cannot run on CPU
+# tensors. Without a GPU, hide fla from this process so transformers uses its PyTorch reference;
+# tests of fla itself run it in a subprocess under TRITON_INTERPRET=1.
+if not torch.cuda.is_available():
+    sys.modules["fla"] = None
+
+VOCAB = 512
+
+
+def _tokenizer_files(path: str, vocab: int = VOCAB) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["def f(x):\n    return x + 1\n", "import torch\nclass A:\n    pass\n", "hello world, the quick brown fox"] * 50
+    tok.train_from_iterator(text, trainer)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "chat_template": template}, f)
+
+
+TINY = {
+    "qwen3_5_text": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                         max_position_embeddings=4096),
+    "qwen3_next": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, max_position_embeddings=4096),
+    "qwen3": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
+    "llama": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+}
+
+
+def hf_classes(model_type: str):
+    import transformers as tf
+    return {"qwen3_5_text": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
+            "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM)}[model_type]
+
+
+def make_checkpoint(path: str, model_type: str, seed: int = 0, **overrides):
+    """Save a tiny random model of `model_type` to `path`; returns the transformers model (fp32, eval)."""
+    cfg_cls, model_cls = hf_classes(model_type)
+    kw = {**TINY[model_type], **overrides}
+    kw.setdefault("eos_token_id", 0)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw)).eval()
+    with torch.no_grad():  # zero-init norms would hide norm bugs: give every parameter some spread
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    _tokenizer_files(path, kw["vocab_size"])
+    return model
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    def make(model_type: str, **overrides):
+        path = str(tmp_path / model_type)
+        return path, make_checkpoint(path, model_type, **overrides)
+    return make

@@ -1,0 +1,268 @@
+"""Attention ops: paged decode (reference + Triton kernel) and prefix-causal prefill.
+
+TRITON_INTERPRET: triton decides interpreter vs compiler when a kernel is *decorated*, i.e. when
+sketchkv.ops.paged_attention is first imported, so flipping os.environ inside a shared pytest process
+is unreliable (another test file may have imported the module first). The `test_interp_*` tests
+therefore run only where the kernels were built for the interpreter (pa._INTERPRETED), and
+`test_interpreter_child` re-runs them in a fresh `python -m pytest` child with TRITON_INTERPRET=1.
+If the whole suite is started with TRITON_INTERPRET=1 they run in-process and the child is skipped.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sketchkv.ops import paged_attention as pa
+from sketchkv.ops.paged_attention import gather_kv, paged_attention_decode, paged_attention_decode_ref
+from sketchkv.ops.prefill_attention import _masked_attention, prefix_causal_attention, prefix_causal_attention_ref
+
+needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreter_child)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_paged(seq_lens, Hkv, D, block_size, dtype, device="cpu", seed=0):
+    """Random dense K/V per sequence, scattered into a paged cache through shuffled block ids.
+
+    The caches are strided views (k and v interleaved in one buffer) and the block table is a
+    column slice of a wider tensor, so the kernel's stride handling is exercised.
+    """
+    g = torch.Generator().manual_seed(seed)
+    nblk = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(nblk) + 3  # a few unused blocks
+    kv = torch.randn(num_blocks, 2, block_size, Hkv, D, generator=g).to(dtype).to(device)
+    k_cache, v_cache = kv[:, 0], kv[:, 1]
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(nblk) + 2  # -1 padding past every sequence's end
+    wide = torch.full((len(seq_lens), max_blocks + 5), -1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(nblk):
+        wide[b, 1:1 + n] = perm[i:i + n].int()
+        i += n
+    block_tables = wide.to(device)[:, 1:1 + max_blocks]
+    dense = [gather_kv(k_cache, v_cache, block_tables[b], n) for b, n in enumerate(seq_lens)]
+    return k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=device), dense
+
+
+def rel_err_rows(out, ref):
+    """Per-(row, head) relative L2 error, robust to the tiny magnitudes of long flat softmaxes."""
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).max().item()
+
+
+# --- reference decode vs an independent dense attention -------------------------------------------
+
+def test_gather_kv_roundtrip():
+    seq_lens = [1, 17, 40]
+    k_cache, v_cache, bt, _, _ = make_paged(seq_lens, 2, 16, 16, torch.float32)
+    for b, n in enumerate(seq_lens):
+        k, v = gather_kv(k_cache, v_cache, bt[b], n)
+        assert k.shape == (n, 2, 16)
+        for t in range(n):
+            blk, off = bt[b, t // 16].item(), t % 16
+            assert torch.equal(k[t], k_cache[blk, off]) and torch.equal(v[t], v_cache[blk, off])
+
+
+@pytest.mark.parametrize("G", [1, 4, 6])
+def test_decode_ref_vs_dense(G):
+    Hkv, D, bs = 2, 32, 16
+    seq_lens = [1, 23, 70]
+    k_cache, v_cache, bt, lens, dense = make_paged(seq_lens, Hkv, D, bs, torch.float32)
+    q = torch.randn(len(seq_lens), G * Hkv, D)
+    scale = D ** -0.5
+    out = paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, scale)
+    for b, (k, v) in enumerate(dense):
+        for h in range(G * Hkv):
+            kh, vh = k[:, h // G].double(), v[:, h // G].double()
+            w = torch.softmax(kh @ q[b, h].double() * scale, 0)
+            torch.testing.assert_close(out[b, h].double(), w @ vh, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(pa._INTERPRETED, reason="interpreted process dispatches to the kernel")
+def test_decode_cpu_dispatch_is_ref():
+    k_cache, v_cache, bt, lens, _ = make_paged([5, 33], 1, 16, 16, torch.float32)
+    q = torch.randn(2, 2, 16)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.25, out=out)
+    assert torch.equal(out, paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, 0.25))
+
+
+# --- Triton decode kernel under the interpreter ---------------------------------------------------
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Poison every float torch.empty (the kernel's split buffers) so unwritten entries show as NaN."""
+    empty = torch.empty
+
+    def poisoned(*a, **kw):
+        t = empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+DECODE_CFGS = [  # (G, Hkv, D, block_size, dtype, num_splits)
+    (1, 2, 64, 16, torch.float32, None),
+    (4, 2, 128, 64, torch.float32, None),
+    (6, 1, 64, 64, torch.float32, 7),     # more splits than some sequences have tiles: empty splits
+    (4, 1, 256, 16, torch.float32, 1),    # single split, head_dim 256
+    (6, 2, 128, 16, torch.bfloat16, 3),
+    (1, 1, 16, 16, torch.bfloat16, None),
+]
+
+
+@needs_interp
+@pytest.mark.parametrize("G,Hkv,D,bs,dtype,num_splits", DECODE_CFGS)
+def test_interp_decode_kernel_vs_ref(G, Hkv, D, bs, dtype, num_splits, nan_empty):
+    seq_lens = [1, 37, 150]  # includes 1 and lengths that are not multiples of the block size
+    k_cache, v_cache, bt, lens, _ = make_paged(seq_lens, Hkv, D, bs, dtype, seed=G * D + bs)
+    q = torch.randn(len(seq_lens), G * Hkv, D).to(dtype)
+    scale = D ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_attention_decode(q, k_cache, v_cache, bt, lens, scale, num_splits=num_splits, out=out)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, scale)
+    assert not out.isnan().any()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: both sides round the same fp32 to bf16 (1 ulp = 2^-8)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@needs_interp
+def test_interp_decode_kernel_zero_len_padding(nan_empty):
+    # CUDA-graph batches are padded with seq_len 0 rows (block table all -1): they must give 0, not NaN
+    k_cache, v_cache, bt, lens, _ = make_paged([9, 1], 2, 32, 16, torch.float32)
+    bt[1] = -1
+    lens[1] = 0
+    q = torch.randn(2, 4, 32)
+    out = paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.2, num_splits=2)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, 0.2)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_interpreter_child():
+    if pa._INTERPRETED:
+        pytest.skip("kernels already interpreted in this process; test_interp_* ran directly")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-k", "test_interp_", "-p", "no:cacheprovider"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+
+
+# --- prefill with a cached prefix (CPU) -----------------------------------------------------------
+
+def dense_prefix_causal(q, k, v, scale):
+    """Independent per-query loop: query i at position P + i sees keys 0..P+i."""
+    Lq, Hq, D = q.shape
+    Lk, Hkv, _ = k.shape
+    G, P = Hq // Hkv, Lk - Lq
+    out = torch.empty(Lq, Hq, D, dtype=torch.float64)
+    for i in range(Lq):
+        kk, vv = k[: P + i + 1].double(), v[: P + i + 1].double()
+        for h in range(Hq):
+            w = torch.softmax(kk[:, h // G] @ q[i, h].double() * scale, 0)
+            out[i, h] = w @ vv[:, h // G]
+    return out
+
+
+PREFILL_CFGS = [  # (Lq, prefix, Hq, Hkv, D)
+    (37, 0, 4, 4, 64),
+    (37, 0, 8, 2, 64),
+    (20, 45, 6, 1, 128),
+    (64, 100, 8, 2, 64),
+    (1, 50, 4, 2, 32),
+]
+
+
+def test_prefill_ref_vs_dense():
+    q, k, v = torch.randn(13, 6, 32), torch.randn(30, 2, 32), torch.randn(30, 2, 32)
+    torch.testing.assert_close(prefix_causal_attention_ref(q, k, v, 0.2, chunk=4).double(),
+                               dense_prefix_causal(q, k, v, 0.2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("Lq,P,Hq,Hkv,D", PREFILL_CFGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_vs_ref_cpu(Lq, P, Hq, Hkv, D, dtype):
+    torch.manual_seed(Lq + P + Hq)
+    q = torch.randn(Lq, Hq, D).to(dtype)
+    k, v = torch.randn(Lq + P, Hkv, D).to(dtype), torch.randn(Lq + P, Hkv, D).to(dtype)
+    scale = D ** -0.5
+    out = prefix_causal_attention(q, k, v, scale)
+    ref = prefix_causal_attention_ref(q, k, v, scale)
+    assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 partial outputs round before the merge
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(_masked_attention(q, k, v, scale).float(), ref.float(), atol=tol, rtol=tol)
+
+
+# --- GPU, real sizes (H200) -----------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("bs", [16, 64])
+def test_gpu_decode_real_sizes(bs):
+    seq_lens = [1, 100, 4097, 16000, 33333, 65537, 100003, 131072]
+    B, Hq, Hkv, D = 8, 24, 4, 256
+    k_cache, v_cache, bt, lens, _ = make_paged(seq_lens, Hkv, D, bs, torch.bfloat16, device="cuda")
+    q = torch.randn(B, Hq, D, device="cuda").bfloat16()
+    out = torch.full_like(q, float("nan"))
+    paged_attention_decode(q, k_cache, v_cache, bt, lens, D ** -0.5, out=out)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, D ** -0.5)
+    assert not out.isnan().any()
+    # bf16: output rounding alone is ~2^-9 relative; P is rounded to bf16 for the P@V tensor-core dot
+    # (again 2^-9 per weight, averaging out over the sequence). 1e-2 leaves margin; a wrong block or
+    # token gives O(1) error since every key/value is independent noise.
+    assert rel_err_rows(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_cuda_graph():
+    # capture once, then change q / seq_lens / block tables in place and replay: nothing in the
+    # launch may depend on tensor values (no host syncs, value-independent split count)
+    B, Hq, Hkv, D, bs = 4, 24, 4, 256, 16
+    k_cache, v_cache, bt, lens, _ = make_paged([7000] * B, Hkv, D, bs, torch.bfloat16, device="cuda")
+    q = torch.randn(B, Hq, D, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    paged_attention_decode(q, k_cache, v_cache, bt, lens, D ** -0.5, out=out)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        paged_attention_decode(q, k_cache, v_cache, bt, lens, D ** -0.5, out=out)
+    for new_lens, perm in (([7000, 5000, 1, 300], [0, 1, 2, 3]), ([17, 4096, 0, 6999], [2, 0, 3, 1])):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        bt.copy_(bt[torch.tensor(perm)])
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        g.replay()
+        ref = paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, D ** -0.5)
+        assert not out.isnan().any()
+        live = lens > 0  # the seq_len 0 row must be exactly 0
+        assert rel_err_rows(out[live], ref[live]) < 1e-2 and (out[~live] == 0).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("Lq,P", [(8192, 24576), (8192, 0)])
+def test_gpu_prefill_real_sizes(Lq, P):
+    Hq, Hkv, D = 24, 4, 256
+    torch.manual_seed(0)
+    q = torch.randn(Lq, Hq, D, device="cuda").bfloat16()
+    k = torch.randn(Lq + P, Hkv, D, device="cuda").bfloat16()
+    v = torch.randn(Lq + P, Hkv, D, device="cuda").bfloat16()
+    out = prefix_causal_attention(q, k, v, D ** -0.5)
+    ref = prefix_causal_attention_ref(q, k, v, D ** -0.5)
+    assert out.shape == ref.shape and out.is_contiguous() and not out.isnan().any()
+    # bf16 flash (P rounded to bf16 for P@V) + bf16 partial outputs before the fp32 merge + bf16 output
+    assert rel_err_rows(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_prefill_fp32_fallback():
+    q, k, v = (torch.randn(n, h, 64, device="cuda") for n, h in ((300, 8), (1000, 2), (1000, 2)))
+    torch.testing.assert_close(prefix_causal_attention(q, k, v, 0.125), prefix_causal_attention_ref(q, k, v, 0.125),
+                               atol=1e-4, rtol=1e-4)

@@ -1,0 +1,398 @@
+"""Gated DeltaNet ops: causal conv1d and the gated delta rule (references, fla fast paths, dispatch).
+
+- References vs transformers' Qwen3-Next torch functions. transformers swaps those names for fla's
+  kernels when fla is installed, so we take the original torch functions with inspect.unwrap.
+- fla on CPU: its decode kernels and conv kernels run under TRITON_INTERPRET=1 (the chunk kernel does
+  not). Triton picks the interpreter when a kernel is decorated, i.e. at fla's import, so the
+  `test_interp_*` tests run only in a child `python -m pytest -k interp` started with the variable set
+  (test_fla_interpreter_child, `-k interp_`). The child patches two triton-3.6 interpreter gaps: int() of a
+  1-element array (an error from numpy 2.4 on) and autotuning, which needs a GPU to time configs.
+- `gpu` tests: real sizes, bf16, fla vs the fp32 references, and CUDA-graph capture of the decode ops.
+"""
+import importlib.metadata
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sketchkv.ops.causal_conv1d import (causal_conv1d_decode, causal_conv1d_decode_fla, causal_conv1d_decode_ref,
+                                        causal_conv1d_varlen, causal_conv1d_varlen_fla, causal_conv1d_varlen_ref,
+                                        conv_state_shape)
+from sketchkv.ops.gated_delta_rule import (gated_delta_rule_decode, gated_delta_rule_decode_fla,
+                                           gated_delta_rule_decode_ref, gated_delta_rule_varlen,
+                                           gated_delta_rule_varlen_fla, gated_delta_rule_varlen_ref)
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+try:
+    HAS_FLA = bool(importlib.metadata.version("fla-core"))
+except importlib.metadata.PackageNotFoundError:
+    HAS_FLA = False
+needs_interp = pytest.mark.skipif(not INTERP, reason="runs in the TRITON_INTERPRET=1 child (test_fla_interpreter_child)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+if INTERP:
+    # conftest hides fla on CPU (sys.modules["fla"] = None) so transformers keeps its torch paths;
+    # this child runs fla itself and never imports transformers
+    if "fla" in sys.modules and sys.modules["fla"] is None:
+        del sys.modules["fla"]
+    import triton.runtime.autotuner as _autotuner
+    import triton.runtime.interpreter as _interp
+
+    _patch_tensor = _interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = _patch_lang_tensor
+    _autotuner.Autotuner._bench = lambda self, *args, config, **kw: [0.0, 0.0, 0.0]  # no timer: take the first config
+
+LENS = [1, 5, 70]      # one token, short, across the 64-token chunk
+SLOTS = [3, 0, 5]      # in S = 6 slots; 1, 2, 4 must stay untouched
+S = 6
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' torch reference functions (imported lazily: the interpreter child doesn't need them)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+    names = ["causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"]
+    fns = {n: inspect.unwrap(getattr(m, n)) for n in names}
+    assert all(f.__module__ == m.__name__ for f in fns.values())
+    return fns
+
+
+def cu_of(lens, device="cpu"):
+    return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+def conv_inputs(lens, D, W, dtype=torch.float32, device="cpu", seed=0, num_slots=S, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    # x is a column slice of a wider projection, as in the model (qkv split from one matmul)
+    x = torch.randn(sum(lens), D + 7, generator=g)[:, 3:3 + D]
+    w = torch.randn(D, W, generator=g) * 0.5
+    b = torch.randn(D, generator=g) if bias else None
+    states = torch.randn(num_slots, *conv_state_shape(D, W), generator=g)
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype)
+    return to(x), to(w), to(b), to(states)
+
+
+def gdn_inputs(T, Hk, Hv, Dk, Dv, dtype=torch.float32, device="cpu", seed=0, num_slots=S):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, Hk, Dk, generator=g)
+    k = torch.randn(T, Hk, Dk, generator=g)
+    v = torch.randn(T, Hv, Dv, generator=g)
+    gate = F.logsigmoid(torch.randn(T, Hv, generator=g) * 2 + 3)  # decays from ~0.5 to ~1, as trained models
+    beta = torch.randn(T, Hv, generator=g).sigmoid()
+    states = torch.randn(num_slots, Hv, Dk, Dv, generator=g) * 0.5
+    to = lambda t: t.to(device=device, dtype=dtype)
+    return to(q), to(k), to(v), gate.to(device), to(beta), states.to(device)
+
+
+def untouched(states, before, slots):
+    rest = [i for i in range(states.shape[0]) if i not in slots]
+    return torch.equal(states[rest], before[rest])
+
+
+# --- references vs transformers -------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_varlen_ref_vs_transformers(hf, bias):
+    D, W = 24, 4
+    x, w, b, states = conv_inputs(LENS, D, W, bias=bias)
+    before = states.clone()
+    cu = cu_of(LENS)
+    y = causal_conv1d_varlen_ref(x, w, b, states, torch.tensor(SLOTS), cu)
+    for n, slot in enumerate(SLOTS):
+        xs = torch.cat([before[slot], x[cu[n]:cu[n + 1]].T], -1)  # [D, W + L]: state, then the sequence
+        ref = hf["causal_conv1d_fn"](xs[None, :, 1:], w, b, activation="silu")[0, :, W - 1:]  # drop the state's outputs
+        torch.testing.assert_close(y[cu[n]:cu[n + 1]], ref.T, atol=1e-5, rtol=1e-5)
+        assert torch.equal(states[slot], xs[:, -W:])
+    assert untouched(states, before, SLOTS)
+
+
+def test_conv_decode_ref_vs_transformers(hf):
+    D, W = 24, 4
+    x, w, b, states = conv_inputs([1, 1, 1], D, W)
+    before = states.clone()
+    slots = torch.tensor(SLOTS)
+    y = causal_conv1d_decode_ref(x, w, b, states, slots)
+    cache = before[slots].clone()
+    ref = hf["causal_conv1d_update"](x[..., None], cache, w, b, activation="silu")[..., 0]
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(states[slots], cache)
+    assert untouched(states, before, SLOTS)
+
+
+def test_gdn_varlen_ref_vs_transformers(hf):
+    Hk, Hv, Dk, Dv = 2, 4, 16, 8  # GQA 2x, Dk != Dv
+    q, k, v, g, beta, states = gdn_inputs(sum(LENS), Hk, Hv, Dk, Dv)
+    before = states.clone()
+    cu = cu_of(LENS)
+    o = gated_delta_rule_varlen_ref(q, k, v, g, beta, states, torch.tensor(SLOTS), cu)
+    for n, slot in enumerate(SLOTS):
+        s, e = cu[n], cu[n + 1]
+        args = (q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e])
+        kw = dict(initial_state=before[slot][None], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        ref_o, ref_h = hf["torch_chunk_gated_delta_rule"](*args, **kw)
+        torch.testing.assert_close(o[s:e], ref_o[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states[slot], ref_h[0], atol=1e-5, rtol=1e-5)
+        # and the plain token loop: the chunked form is exact in fp32
+        rec_o, rec_h = hf["torch_recurrent_gated_delta_rule"](*args, **kw)
+        torch.testing.assert_close(o[s:e], rec_o[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(states[slot], rec_h[0], atol=1e-4, rtol=1e-4)
+    assert untouched(states, before, SLOTS)
+
+
+def test_gdn_decode_ref_vs_transformers(hf):
+    Hk, Hv, Dk, Dv = 2, 4, 16, 8
+    q, k, v, g, beta, states = gdn_inputs(3, Hk, Hv, Dk, Dv)
+    before = states.clone()
+    slots = torch.tensor(SLOTS)
+    o = gated_delta_rule_decode_ref(q, k, v, g, beta, states, slots)
+    ref_o, ref_h = hf["torch_recurrent_gated_delta_rule"](
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+        initial_state=before[slots], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(o, ref_o[:, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[slots], ref_h, atol=1e-5, rtol=1e-5)
+    assert untouched(states, before, SLOTS)
+
+
+def test_gdn_ref_bf16_inputs_keep_fp32_state():
+    q, k, v, g, beta, states = gdn_inputs(sum(LENS), 2, 4, 16, 8)
+    bf = lambda t: t.bfloat16()
+    st_bf = states.clone()
+    o_bf = gated_delta_rule_varlen_ref(bf(q), bf(k), bf(v), g, bf(beta), st_bf, torch.tensor(SLOTS), cu_of(LENS))
+    o = gated_delta_rule_varlen_ref(bf(q).float(), bf(k).float(), bf(v).float(), g, bf(beta).float(), states,
+                                    torch.tensor(SLOTS), cu_of(LENS))
+    assert o_bf.dtype == torch.bfloat16 and st_bf.dtype == torch.float32
+    assert torch.equal(st_bf, states) and torch.equal(o_bf, o.bfloat16())
+
+
+# --- prefill then decode through the slots --------------------------------------------------------
+
+def test_prefill_then_decode_consistency():
+    """Varlen over all tokens == varlen over a prefix + token-by-token decode, for conv and GDN chained
+    like the layer does (conv output feeds q/k/v). Dispatch functions, so on CUDA this is the fla path."""
+    prefix, steps = [1, 66, 3], 4   # prefix 66 + 4 decode tokens crosses the 64 chunk mid-decode
+    lens = [p + steps for p in prefix]
+    Hk, Hv, Dk, Dv, W = 2, 4, 16, 8, 4
+    D = 2 * Hk * Dk + Hv * Dv
+    slots = torch.tensor(SLOTS)
+    x, w, b, conv_states = conv_inputs(lens, D, W, seed=1)
+    _, _, _, g, beta, rec_states = gdn_inputs(sum(lens), Hk, Hv, Dk, Dv, seed=2)
+
+    def layer(xx, gg, bb, conv_st, rec_st, cu=None):
+        if cu is None:
+            y = causal_conv1d_decode(xx, w, b, conv_st, slots)
+        else:
+            y = causal_conv1d_varlen(xx, w, b, conv_st, slots, cu)
+        q, k, v = y.split([Hk * Dk, Hk * Dk, Hv * Dv], -1)
+        q, k, v = q.view(-1, Hk, Dk), k.view(-1, Hk, Dk), v.view(-1, Hv, Dv)
+        if cu is None:
+            return gated_delta_rule_decode(q, k, v, gg, bb, rec_st, slots)
+        return gated_delta_rule_varlen(q, k, v, gg, bb, rec_st, slots, cu)
+
+    full_conv, full_rec = conv_states.clone(), rec_states.clone()
+    o_full = layer(x, g, beta, full_conv, full_rec, cu_of(lens))
+
+    cu = cu_of(lens).tolist()
+    pre_rows = torch.cat([torch.arange(cu[n], cu[n] + p) for n, p in enumerate(prefix)])
+    o_pre = layer(x[pre_rows], g[pre_rows], beta[pre_rows], conv_states, rec_states, cu_of(prefix))
+    torch.testing.assert_close(o_pre, o_full[pre_rows], atol=1e-5, rtol=1e-5)
+    for t in range(steps):
+        rows = torch.tensor([cu[n] + p + t for n, p in enumerate(prefix)])
+        o_t = layer(x[rows], g[rows], beta[rows], conv_states, rec_states)
+        torch.testing.assert_close(o_t, o_full[rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv_states, full_conv, atol=0, rtol=0)
+    torch.testing.assert_close(rec_states, full_rec, atol=1e-5, rtol=1e-5)
+
+
+def test_conv_short_sequences_keep_old_state():
+    """Sequences shorter than W-1 shift their tokens into the state and keep its older columns."""
+    D, W = 8, 4
+    x, w, b, states = conv_inputs([1, 2], D, W)
+    before = states.clone()
+    causal_conv1d_varlen_ref(x, w, b, states, torch.tensor([4, 1]), cu_of([1, 2]))
+    assert torch.equal(states[4], torch.cat([before[4][:, 1:], x[0:1].T], -1))
+    assert torch.equal(states[1], torch.cat([before[1][:, 2:], x[1:3].T], -1))
+
+
+# --- fla under the triton interpreter (CPU) -------------------------------------------------------
+
+@pytest.mark.skipif(INTERP, reason="already inside the interpreter child")
+@pytest.mark.skipif(not HAS_FLA, reason="fla-core is not installed: the fla fast paths cannot be checked on CPU")
+def test_fla_interpreter_child():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-k", "interp_", "-p", "no:cacheprovider"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "3 passed" in out and "skipped" not in out, out[-4000:]  # the child must really run them
+
+
+@needs_interp
+def test_interp_conv_decode_fla():
+    D, W = 24, 4
+    x, w, b, states = conv_inputs([1, 1, 1], D, W)
+    st_ref, slots = states.clone(), torch.tensor(SLOTS)
+    y = causal_conv1d_decode_fla(x, w, b, states, slots)
+    y_ref = causal_conv1d_decode_ref(x, w, b, st_ref, slots)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(states, st_ref)
+
+
+@needs_interp
+def test_interp_conv_varlen_fla():
+    D, W = 24, 4
+    lens = [1, 2, 70]  # shorter than W - 1 (state kernel mixes old state in), and across fla's 64 block
+    x, w, b, states = conv_inputs(lens, D, W)
+    st_ref, slots, cu = states.clone(), torch.tensor(SLOTS), cu_of(lens)
+    y = causal_conv1d_varlen_fla(x, w, b, states, slots, cu)
+    y_ref = causal_conv1d_varlen_ref(x, w, b, st_ref, slots, cu)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(states, st_ref)
+
+
+@needs_interp
+def test_interp_gdn_decode_fla():
+    Hk, Hv, Dk, Dv = 2, 4, 16, 8
+    q, k, v, g, beta, states = gdn_inputs(3, Hk, Hv, Dk, Dv)
+    q = torch.cat([q, k], -1)[..., :Dk]  # a strided view, like the engine's qkv split
+    st_ref, slots = states.clone(), torch.tensor(SLOTS)
+    o = gated_delta_rule_decode_fla(q, k, v, g, beta, states, slots)
+    o_ref = gated_delta_rule_decode_ref(q, k, v, g, beta, st_ref, slots)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, st_ref, atol=1e-5, rtol=1e-5)
+    assert untouched(states, st_ref, SLOTS)
+
+
+# --- GPU, real sizes ------------------------------------------------------------------------------
+# Qwen3-Next-80B GDN layer: Hk=16, Hv=48, Dk=Dv=128, conv over q|k|v = 2*16*128 + 48*128 channels, W=4.
+
+GPU_LENS = [8192, 1, 2, 63, 64, 65, 1500, 4000]
+GPU_SLOTS = [9, 0, 15, 3, 7, 12, 1, 4]  # of 16; the other 8 stay untouched
+HK, HV, DK, DV, CW = 16, 48, 128, 128, 4
+CD = 2 * HK * DK + HV * DV
+
+
+def rel_err(out, ref):
+    """Norm-wise relative error over the last dim, worst row; bf16 rounding alone gives ~3e-3."""
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).max().item()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_conv_varlen():
+    x, w, b, states = conv_inputs(GPU_LENS, CD, CW, torch.bfloat16, "cuda", num_slots=16)
+    st_ref, slots, cu = states.clone(), torch.tensor(GPU_SLOTS, device="cuda"), cu_of(GPU_LENS, "cuda")
+    y = causal_conv1d_varlen(x, w, b, states, slots, cu)
+    y_ref = causal_conv1d_varlen_ref(x, w, b, st_ref, slots, cu)
+    # both accumulate in fp32 and round once to bf16: at most one bf16 ulp apart
+    torch.testing.assert_close(y, y_ref, atol=2e-2, rtol=1e-2)
+    assert torch.equal(states, st_ref)  # the state is a copy of inputs
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_conv_decode():
+    x, w, b, states = conv_inputs([1] * 8, CD, CW, torch.bfloat16, "cuda", num_slots=16)
+    st_ref, slots = states.clone(), torch.tensor(GPU_SLOTS, device="cuda")
+    y = causal_conv1d_decode(x, w, b, states, slots)
+    y_ref = causal_conv1d_decode_ref(x, w, b, st_ref, slots)
+    torch.testing.assert_close(y, y_ref, atol=2e-2, rtol=1e-2)
+    assert torch.equal(states, st_ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_gdn_varlen():
+    q, k, v, g, beta, states = gdn_inputs(sum(GPU_LENS), HK, HV, DK, DV, torch.bfloat16, "cuda", num_slots=16)
+    st_ref, slots, cu = states.clone(), torch.tensor(GPU_SLOTS, device="cuda"), cu_of(GPU_LENS, "cuda")
+    o = gated_delta_rule_varlen(q, k, v, g, beta, states, slots, cu)
+    o_ref = gated_delta_rule_varlen_ref(q, k, v, g, beta, st_ref, slots, cu)
+    # fla keeps the running state in fp32 but feeds bf16 copies of normalised q/k, chunk states and
+    # corrected values to its tensor-core matmuls: errors of a few bf16 ulps, not growing with length
+    assert o.dtype == torch.bfloat16 and states.dtype == torch.float32
+    assert rel_err(o, o_ref) < 3e-2
+    assert rel_err(states[slots], st_ref[slots]) < 2e-2
+    assert untouched(states, st_ref, GPU_SLOTS)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_gdn_decode():
+    q, k, v, g, beta, states = gdn_inputs(8, HK, HV, DK, DV, torch.bfloat16, "cuda", num_slots=16)
+    st_ref, slots = states.clone(), torch.tensor(GPU_SLOTS, device="cuda")
+    o = gated_delta_rule_decode(q, k, v, g, beta, states, slots)
+    o_ref = gated_delta_rule_decode_ref(q, k, v, g, beta, st_ref, slots)
+    # one fp32 step from the same bf16 inputs: only summation order differs, then o rounds to bf16
+    assert rel_err(o, o_ref) < 1e-2
+    torch.testing.assert_close(states, st_ref, atol=1e-4, rtol=1e-4)
+    assert untouched(states, st_ref, GPU_SLOTS)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_cuda_graph():
+    """Conv + GDN decode captured once, replayed on new inputs and slots: same as eager references."""
+    N = 8
+    x, w, b, conv_states = conv_inputs([1] * N, CD, CW, torch.bfloat16, "cuda", num_slots=16)
+    x = x.contiguous()
+    _, _, _, g, beta, rec_states = gdn_inputs(N, HK, HV, DK, DV, torch.bfloat16, "cuda", num_slots=16)
+    slots = torch.tensor(GPU_SLOTS, device="cuda")
+
+    def step():
+        y = causal_conv1d_decode(x, w, b, conv_states, slots)
+        q, k, v = y.split([HK * DK, HK * DK, HV * DV], -1)
+        return gated_delta_rule_decode(q.view(N, HK, DK), k.view(N, HK, DK), v.view(N, HV, DV), g, beta, rec_states, slots)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: compiles and autotunes outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    for seed in (5, 6):
+        x2, _, _, _ = conv_inputs([1] * N, CD, CW, torch.bfloat16, "cuda", seed=seed)
+        _, _, _, g2, beta2, _ = gdn_inputs(N, HK, HV, DK, DV, torch.bfloat16, "cuda", seed=seed)
+        x.copy_(x2), g.copy_(g2), beta.copy_(beta2)
+        slots.copy_(torch.randperm(16, generator=torch.Generator().manual_seed(seed))[:N])
+        conv_ref, rec_ref = conv_states.clone(), rec_states.clone()
+        graph.replay()
+        y = causal_conv1d_decode_ref(x, w, b, conv_ref, slots)
+        q, k, v = y.split([HK * DK, HK * DK, HV * DV], -1)
+        o_ref = gated_delta_rule_decode_ref(q.view(N, HK, DK), k.view(N, HK, DK), v.view(N, HV, DV), g, beta,
+                                            rec_ref, slots)
+        assert torch.equal(conv_states, conv_ref)
+        assert rel_err(out, o_ref) < 1e-2
+        torch.testing.assert_close(rec_states, rec_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_prefill_then_decode():
+    """fla chunk prefill + fla decode steps == fla chunk over everything, at real head sizes."""
+    prefix, steps = [4000, 1, 63, 700], 3
+    lens = [p + steps for p in prefix]
+    q, k, v, g, beta, st_full = gdn_inputs(sum(lens), HK, HV, DK, DV, torch.bfloat16, "cuda", num_slots=16)
+    slots = torch.tensor(GPU_SLOTS[:4], device="cuda")
+    st = st_full.clone()
+    cu = cu_of(lens).tolist()
+    o_full = gated_delta_rule_varlen(q, k, v, g, beta, st_full, slots, cu_of(lens, "cuda"))
+    pre = torch.cat([torch.arange(cu[n], cu[n] + p, device="cuda") for n, p in enumerate(prefix)])
+    o_pre = gated_delta_rule_varlen(q[pre], k[pre], v[pre], g[pre], beta[pre], st, slots, cu_of(prefix, "cuda"))
+    assert rel_err(o_pre, o_full[pre]) < 2e-2
+    for t in range(steps):
+        rows = torch.tensor([cu[n] + p + t for n, p in enumerate(prefix)], device="cuda")
+        o_t = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], st, slots)
+        assert rel_err(o_t, o_full[rows]) < 2e-2
+    assert rel_err(st[slots], st_full[slots]) < 2e-2
