@@ -1,9 +1,10 @@
 """GPU micro-benchmark: paged decode attention kernel vs device-to-device copy bandwidth.
 
-Achieved bandwidth = bytes of K/V read (sum(seq_lens) * Hkv * D * 2 bytes * 2) / kernel time, both
-split and reduce kernels included; q, out and the split buffers are not counted. The copy reference
-is a large torch copy_ timed in the same run, counting bytes read + written. L2 is flushed before
-every timed call (triton.testing.do_bench), so short contexts are not flattered by the 60 MB L2.
+Achieved bandwidth = bytes of K/V read (sum(seq_lens) * Hkv * D * 2 bytes * 2) / time of one call,
+split and reduce kernels included; q, out and the split buffers are not counted. Calls are timed as
+CUDA-graph replays (how the engine runs decode; eager time with launch overhead is shown beside),
+with L2 flushed before each replay and short contexts rotated over several cache copies. The copy
+reference is a 4 GB torch copy_ timed in the same run, counting bytes read + written.
 
     python benchmarks/bench_attention_ops.py --out benchmarks/results/attn_ops.json [--sweep]
 """
@@ -42,20 +43,41 @@ def copy_bandwidth(nbytes=4 << 30):
 
 
 def bench_decode(seq_lens, Hq, Hkv, D, bs, check=True, **kw):
-    k_cache, v_cache, bt, lens = make_cache(seq_lens, Hkv, D, bs)
+    """Median time of one decode call, replayed from a CUDA graph (as the engine runs it). Short
+    contexts rotate over several cache copies (>= 512 MB in all) so L2 can't serve them."""
+    nbytes = sum(seq_lens) * Hkv * D * 2 * 2
+    copies = max(1, min(32, triton.cdiv(512 << 20, nbytes)))
+    caches = [make_cache(seq_lens, Hkv, D, bs) for _ in range(copies)]
     q = torch.randn(len(seq_lens), Hq, D, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    fn = lambda: paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, D ** -0.5, out=out, **kw)  # noqa: E731
-    fn()
+    calls = [lambda c=c: paged_attention_decode_triton(q, *c, D ** -0.5, out=out, **kw) for c in caches]
+    calls[0]()  # compile outside capture
     err = None
     if check:  # a fast wrong kernel is worth nothing: relative L2 error vs the fp32 reference
-        ref = paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, D ** -0.5).float()
+        ref = paged_attention_decode_ref(q, *caches[0], D ** -0.5).float()
         err = ((out.float() - ref).norm() / ref.norm()).item()
-    ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-    nbytes = sum(seq_lens) * Hkv * D * 2 * 2
-    del k_cache, v_cache
+    eager_ms = do_bench(calls[0], warmup=25, rep=100, return_mode="median")  # includes launch overhead
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    ms = do_bench(g.replay, warmup=25, rep=200, return_mode="median") / copies
+    del caches, calls, g
     torch.cuda.empty_cache()
-    return {"ms": ms, "kv_bytes": nbytes, "gbps": nbytes / ms / 1e6, "rel_err": err}
+    return {"ms": ms, "eager_ms": eager_ms, "kv_bytes": nbytes, "gbps": nbytes / ms / 1e6, "rel_err": err}
+
+
+def kernel_resources():
+    """Registers / spills / shared memory of every compiled variant of the split kernel."""
+    from sketchkv.ops.paged_attention import _decode_split_kernel
+    res = []
+    for dev_cache in _decode_split_kernel.device_caches.values():
+        for k in dev_cache[0].values():
+            md = k.metadata
+            res.append({"name": md.name, "num_warps": md.num_warps, "num_stages": md.num_stages,
+                        "n_regs": k.n_regs, "n_spills": k.n_spills, "shared": md.shared})
+    return res
 
 
 def main():
@@ -86,33 +108,38 @@ def main():
         lens = [131072] * 8
         for block_n in (16, 32, 64):
             for num_warps in (2, 4, 8):
-                for num_stages in (1, 2, 3, 4):
+                for num_stages in (2, 3):
                     try:
-                        r = bench_decode(lens, Hq, Hkv, D, 16, check=False, block_n=block_n,
+                        r = bench_decode(lens, Hq, Hkv, D, 16, check=False, num_splits=16, block_n=block_n,
                                          num_warps=num_warps, num_stages=num_stages)
                     except Exception as e:  # e.g. out of shared memory for big tiles x stages
                         r = {"error": repr(e)[:200]}
-                    sweep.append({"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, **r})
-        for B, L in ((1, 32768), (8, 32768), (8, 131072)):
-            for ns in (8, 16, 32, 64, 128, 256):
+                    sweep.append({"B": 8, "L": 131072, "num_splits": 16, "block_n": block_n,
+                                  "num_warps": num_warps, "num_stages": num_stages, **r})
+        for B, L in ((1, 32768), (8, 32768), (32, 8192)):
+            for ns in (4, 8, 16, 32, 64, 128):
                 r = bench_decode([L] * B, Hq, Hkv, D, 16, check=False, num_splits=ns)
                 sweep.append({"B": B, "L": L, "num_splits": ns, **r})
+    resources = kernel_resources()
 
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}: copy {copy_gbps:.0f} GB/s (read+write). Hq={Hq} Hkv={Hkv} D={D} bf16")
-    print(f"{'case':<10} {'bs':>3} {'ms':>8} {'GB/s':>7} {'% copy':>7} {'rel err':>8}")
+    print(f"{'case':<10} {'bs':>3} {'graph ms':>9} {'GB/s':>7} {'% copy':>7} {'eager ms':>9} {'rel err':>8}")
     for r in rows:
-        print(f"{r['case']:<10} {r['block_size']:>3} {r['ms']:>8.3f} {r['gbps']:>7.0f} "
-              f"{100 * r['gbps'] / copy_gbps:>6.1f}% {r['rel_err']:>8.1e}")
+        print(f"{r['case']:<10} {r['block_size']:>3} {r['ms']:>9.4f} {r['gbps']:>7.0f} "
+              f"{100 * r['gbps'] / copy_gbps:>6.1f}% {r['eager_ms']:>9.4f} {r['rel_err']:>8.1e}")
     if sweep:
-        print("sweep (B8 128K, bs 16 unless noted):")
+        print("sweep (block size 16):")
         for r in sweep:
-            cfg = {k: v for k, v in r.items() if k not in ("ms", "kv_bytes", "gbps", "rel_err", "error")}
+            cfg = {k: v for k, v in r.items() if k not in ("ms", "eager_ms", "kv_bytes", "gbps", "rel_err", "error")}
             print(" ", cfg, f"{r['gbps']:.0f} GB/s {r['ms']:.3f} ms" if "gbps" in r else r["error"])
+    for r in resources:
+        print(" ", r)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "device": props.name, "torch": torch.__version__, "triton": triton.__version__,
-        "Hq": Hq, "Hkv": Hkv, "D": D, "copy_gbps": copy_gbps, "rows": rows, "sweep": sweep}, indent=1))
+        "Hq": Hq, "Hkv": Hkv, "D": D, "copy_gbps": copy_gbps, "rows": rows, "sweep": sweep,
+        "kernels": resources}, indent=1))
 
 
 if __name__ == "__main__":

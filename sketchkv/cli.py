@@ -35,6 +35,20 @@ def _generate(args) -> None:
                       f"finish: {out.finish_reason}]", file=sys.stderr)
 
 
+def _fit_basis(args) -> None:
+    import os
+    from sketchkv.kv.fit_basis import default_calibration, fit_basis
+    from sketchkv.llm import LLM
+    llm = LLM(args.model, dtype=args.dtype or "auto", device=args.device or "auto",
+              max_num_batched_tokens=args.seq_len)
+    out = args.out or os.path.join(args.model, "key_basis.safetensors")
+    basis = fit_basis(llm, args.calibration or [default_calibration()], args.rank, args.max_tokens, args.seq_len, out)
+    ev = basis.meta["explained_variance"]
+    mean_ev = sum(sum(r) for r in ev) / sum(len(r) for r in ev)
+    print(f"wrote {out}: rank {basis.rank}, {basis.meta['tokens']} tokens, layers {basis.layers}, "
+          f"mean explained variance {mean_ev:.3f}")
+
+
 DEFAULT_PROMPT = "import torch\nfrom torch import nn\n\n\nclass"
 
 
@@ -55,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_dataclass_args(g)
     g.set_defaults(func=_generate)
+    f = sub.add_parser("fit-basis", help="fit the frozen key basis that sparse decode sketches keys with")
+    f.add_argument("--model", default=default_model(), help="Hugging Face model directory (default: bundled)")
+    f.add_argument("calibration", nargs="*", help="calibration files/dirs (default: the set shipped with the "
+                                                   "reference model)")
+    f.add_argument("--rank", type=int, default=None, help="basis rank (default: head_dim / 4)")
+    f.add_argument("--max-tokens", type=int, default=262144, help="calibration tokens to use")
+    f.add_argument("--seq-len", type=int, default=8192, help="tokens per calibration sequence")
+    f.add_argument("--out", help="output file (default: MODEL/key_basis.safetensors)")
+    f.add_argument("--dtype", default=None)
+    f.add_argument("--device", default=None)
+    f.set_defaults(func=_fit_basis)
     return p
 
 

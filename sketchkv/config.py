@@ -27,6 +27,17 @@ class SchedulerConfig:
 
 
 @dataclass
+class SparseConfig:
+    sparse: bool = field(default=False, metadata={"help": "sparse decode: each attention layer reads sinks + top-k picks + recent tokens"})
+    top_k: int = field(default=2048, metadata={"help": "tokens picked per layer per step through the key sketch"})
+    sink_tokens: int = field(default=64, metadata={"help": "first tokens always attended"})
+    recent_tokens: int = field(default=1024, metadata={"help": "last tokens always attended"})
+    dense_threshold: int | None = field(default=None, metadata={"help": "contexts up to this run dense (default: sink+top_k+recent)"})
+    shared_selection: bool = field(default=True, metadata={"help": "one pick per layer shared by all KV heads (else per KV head)"})
+    basis: str | None = field(default=None, metadata={"help": "key basis file (default: MODEL/key_basis.safetensors)"})
+
+
+@dataclass
 class EngineConfig:
     model: str = field(default_factory=default_model)
     dtype: str = field(default="auto", metadata={"help": "auto: bfloat16 on GPU, float32 on CPU"})
@@ -35,9 +46,10 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs for decode"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
 
 
-FLAT_SECTIONS = ("cache", "scheduler")
+FLAT_SECTIONS = ("cache", "scheduler", "sparse")
 
 
 def flat_fields(cfg_cls=EngineConfig):
@@ -79,8 +91,13 @@ def _help(name: str, f) -> str:
 
 
 def build_config(args: argparse.Namespace | None = None, **overrides) -> EngineConfig:
-    """Defaults < SKETCHKV_* environment < CLI flags < keyword overrides."""
+    """Defaults < SKETCHKV_* environment < CLI flags < keyword overrides.
+
+    A whole section may be given as its dataclass, e.g. `sparse=SparseConfig(top_k=256)`."""
     cfg = EngineConfig()
+    for section in FLAT_SECTIONS:
+        if isinstance(overrides.get(section), (CacheConfig, SchedulerConfig, SparseConfig)):
+            setattr(cfg, section, overrides.pop(section))
     for name, section, f in flat_fields():
         value = os.environ.get(f"SKETCHKV_{name.upper()}")
         value = _parse(value, f.type) if value is not None else None

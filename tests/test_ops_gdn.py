@@ -134,9 +134,10 @@ def test_gdn_varlen_ref_vs_transformers(hf):
     before = states.clone()
     cu = cu_of(LENS)
     o = gated_delta_rule_varlen_ref(q, k, v, g, beta, states, torch.tensor(SLOTS), cu)
+    qe, ke = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)  # transformers < 5.2x wants Hk == Hv
     for n, slot in enumerate(SLOTS):
         s, e = cu[n], cu[n + 1]
-        args = (q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e])
+        args = (qe[None, s:e], ke[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e])
         kw = dict(initial_state=before[slot][None], output_final_state=True, use_qk_l2norm_in_kernel=True)
         ref_o, ref_h = hf["torch_chunk_gated_delta_rule"](*args, **kw)
         torch.testing.assert_close(o[s:e], ref_o[0], atol=1e-5, rtol=1e-5)
@@ -154,8 +155,9 @@ def test_gdn_decode_ref_vs_transformers(hf):
     before = states.clone()
     slots = torch.tensor(SLOTS)
     o = gated_delta_rule_decode_ref(q, k, v, g, beta, states, slots)
+    qe, ke = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)  # transformers < 5.2x wants Hk == Hv
     ref_o, ref_h = hf["torch_recurrent_gated_delta_rule"](
-        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+        qe[:, None], ke[:, None], v[:, None], g[:, None], beta[:, None],
         initial_state=before[slots], output_final_state=True, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(o, ref_o[:, 0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states[slots], ref_h, atol=1e-5, rtol=1e-5)

@@ -21,6 +21,8 @@ class Context:
     context_lens: list[int]           # tokens already cached before this step, per sequence
     is_decode: bool                   # every sequence has exactly one new token
     max_seq_len: int
+    sparse: bool = False              # decode runs sparse attention layers in sparse mode this step
+    graph: bool = False               # captured in a CUDA graph: shapes must not depend on values
 
     @property
     def num_seqs(self) -> int:

@@ -10,6 +10,7 @@ from sketchkv.engine.sequence import Sequence
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.gated_deltanet import GatedDeltaNet
 from sketchkv.layers.sampler import SampleOutput, sample
+from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.models.model_config import ModelConfig
 
 
@@ -21,23 +22,47 @@ class ModelRunner:
         self.block_size = cfg.cache.block_size
         self.max_model_len = cfg.scheduler.max_model_len
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        sp = cfg.sparse
+        self.dense_threshold = sp.dense_threshold if sp.dense_threshold is not None else \
+            sp.sink_tokens + sp.top_k + sp.recent_tokens
+        if sp.sparse:
+            self._install_sparse_attention()
         # MTP layers get caches only when speculative decoding is on.
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
+        self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
         self.gdn_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_state_slots = cfg.scheduler.max_num_seqs + 1  # last slot: scratch for graph padding
         self.scratch_slot = self.num_state_slots - 1
         self._allocate_states()
         self.num_blocks = cfg.cache.num_kv_blocks or self._blocks_from_budget()
         self._allocate_kv(self.num_blocks)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (sparse family, batch bucket)
         if device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs()
+
+    def _install_sparse_attention(self) -> None:
+        """Swap each full-attention layer's dense core for the sparse one, with its slice of the basis."""
+        from sketchkv.kv.basis import KeyBasis, model_fingerprint, random_basis
+        import os
+        c, sp = self.model_cfg, self.cfg.sparse
+        if self.cfg.model.startswith("random:"):
+            basis = random_basis(c, c.head_dim // 4)
+        else:
+            path = sp.basis or os.path.join(self.cfg.model, "key_basis.safetensors")
+            basis = KeyBasis.load(path, c, model_fingerprint(c, self.model))
+        for j, i in enumerate(c.full_attention_layers):
+            owner = self.model.model.layers[i].self_attn
+            owner.attn = SparseAttention(owner.attn, sp, basis.bases[j].to(self.device),
+                                         basis.means[j].to(self.device))
 
     # ---- memory -------------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
+        """K + V rows, plus the int4 sketch and its scale for sparse layers, per block of tokens."""
         c = self.model_cfg
-        return 2 * len(self.attn_layers) * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        kv = 2 * len(self.attn_layers) * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        sketch = sum(self.block_size * c.num_kv_heads * (m.rank // 2 + 2) for m in self.sparse_layers)
+        return kv + sketch
 
     @property
     def state_bytes_per_seq(self) -> int:
@@ -59,6 +84,11 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
             m.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             m.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for m in self.sparse_layers:
+            m.sketch = torch.zeros(num_blocks, self.block_size, c.num_kv_heads, m.rank // 2, dtype=torch.uint8,
+                                   device=self.device)
+            m.sketch_scale = torch.zeros(num_blocks, self.block_size, c.num_kv_heads, dtype=torch.float16,
+                                         device=self.device)
 
     def _blocks_from_budget(self) -> int:
         if not self.attn_layers:
@@ -114,6 +144,7 @@ class ModelRunner:
             state_slots=t([seq.state_slot for seq, _ in batch], torch.int64),
             query_lens=qlens, context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
             max_seq_len=max(c + n for c, n in zip(cached, qlens)))
+        ctx.sparse = bool(self.sparse_layers) and ctx.max_seq_len > self.dense_threshold
         return t(ids, torch.int64), t(pos, torch.int64), ctx
 
     def _zero_fresh_slots(self, batch) -> None:
@@ -133,7 +164,7 @@ class ModelRunner:
         input_ids, positions, ctx = self._context(batch)
         bucket = self._graph_bucket(len(batch)) if ctx.is_decode else None
         if bucket is not None:
-            hidden = self._replay(input_ids, positions, ctx, bucket)
+            hidden = self._replay(input_ids, positions, ctx, (ctx.sparse, bucket))
         else:
             set_context(ctx)
             hidden = self.model(input_ids, positions)
@@ -160,7 +191,7 @@ class ModelRunner:
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------
     def _graph_bucket(self, bs: int) -> int | None:
-        return min((b for b in self.graphs if b >= bs), default=None)
+        return min((b for _, b in self.graphs if b >= bs), default=None)
 
     def _capture_graphs(self) -> None:
         max_bs = self.cfg.scheduler.max_num_seqs
@@ -175,8 +206,10 @@ class ModelRunner:
         self.g_out = torch.zeros(max_bs, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         pool = None
-        for bs in reversed(sizes):
+        families = [False, True] if self.sparse_layers else [False]  # dense graphs, sparse graphs
+        for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:
             ctx = self._graph_context(bs)
+            ctx.sparse = sparse
             set_context(ctx)
             with torch.inference_mode():
                 for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
@@ -187,17 +220,17 @@ class ModelRunner:
                     self.g_out[:bs] = self.model(self.g_ids[:bs], self.g_pos[:bs])
             set_context(None)
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[(sparse, bs)] = graph
         torch.cuda.synchronize(dev)
 
     def _graph_context(self, bs: int) -> Context:
         return Context(cu_seqlens_q=self.g_cu[:bs + 1], seq_lens=self.g_seq_lens[:bs],
                        slot_mapping=self.g_slot_mapping[:bs], block_tables=self.g_tables[:bs],
                        state_slots=self.g_state_slots[:bs], query_lens=[1] * bs, context_lens=[1] * bs,
-                       is_decode=True, max_seq_len=self.max_model_len)
+                       is_decode=True, max_seq_len=self.max_model_len, graph=True)
 
-    def _replay(self, input_ids, positions, ctx: Context, bucket: int) -> torch.Tensor:
-        bs = len(ctx.query_lens)
+    def _replay(self, input_ids, positions, ctx: Context, key: tuple[bool, int]) -> torch.Tensor:
+        bs, bucket = len(ctx.query_lens), key[1]
         # Padded rows attend to one token of the scratch block and update the scratch state slot.
         self.g_ids[:bucket].zero_()
         self.g_pos[:bucket].zero_()
@@ -211,5 +244,5 @@ class ModelRunner:
         self.g_tables[:bs, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0)
         self.g_seq_lens[:bs] = ctx.seq_lens
         self.g_state_slots[:bs] = ctx.state_slots
-        self.graphs[bucket].replay()
+        self.graphs[key].replay()
         return self.g_out[:bs]

@@ -19,12 +19,16 @@ class Attention(nn.Module):
         # Bound by the model runner: [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache = self.v_cache = torch.tensor([])
 
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = get_context().slot_mapping
+        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k.to(self.k_cache.dtype))
+        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(self.v_cache.dtype))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the step's new tokens -> [T, Hq, D]."""
         ctx = get_context()
+        self.store_kv(k, v)
         kc, vc = self.k_cache, self.v_cache
-        kc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, k.to(kc.dtype))
-        vc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, v.to(vc.dtype))
         if ctx.is_decode:
             return paged_attention_decode(q, kc, vc, ctx.block_tables, ctx.seq_lens, self.scale)
         out, start = [], 0

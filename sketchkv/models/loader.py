@@ -49,7 +49,11 @@ def weight_files(path: str) -> list[str]:
             if not os.path.isfile(f):
                 raise CheckpointError(f"{f}: shard listed in model.safetensors.index.json is missing")
         return files
-    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return [os.path.join(path, "model.safetensors")]
+    # other *.safetensors, minus sketchkv's own side files (the key basis)
+    files = sorted(os.path.join(path, f) for f in os.listdir(path)
+                   if f.endswith(".safetensors") and not f.startswith("key_basis"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights found")
     return files

@@ -1,0 +1,229 @@
+"""Decode and prefill speed of sketchkv on a random-weight model, side by side with Hugging Face
+transformers on the same config, against the bytes-moved floor measured in the same run.
+
+    python benchmarks/bench_engine.py --preset qwen3.5-27b --contexts 8192 131072 --batches 1 8 \
+        --out benchmarks/results/engine-27b.json
+
+Decode at context L: each sequence's KV cache and Gated DeltaNet state are filled with random
+values for L tokens (what a prefill would leave; the speed of a decode step depends only on the
+bytes it reads), then N steps are timed. Prefill is timed for real (TTFT of one L-token prompt).
+"""
+import argparse
+import gc
+import json
+import math
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+from sketchkv import LLM, SamplingParams  # noqa: E402
+from sketchkv.engine.sequence import Status  # noqa: E402
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def hbm_copy_bandwidth(gib: float = 4.0) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    n = int(gib * 2**30) // 2 if DEV == "cuda" else 2**24
+    a = torch.empty(n, dtype=torch.bfloat16, device=DEV).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        sync(); t0 = time.perf_counter(); b.copy_(a); sync()
+        times.append(time.perf_counter() - t0)
+    del a, b
+    return 2 * n * 2 / sorted(times)[len(times) // 2]
+
+
+def decode_floor_bytes(llm: LLM, batch: int, ctx: int) -> dict:
+    r, c = llm.engine.runner, llm.engine.model_config
+    weights = sum(p.numel() * p.element_size() for n, p in llm.engine.model.named_parameters()
+                  if not n.startswith("mtp."))
+    # the embedding table is read for B rows only; the lm_head in full
+    emb = llm.engine.model.model.embed_tokens.weight
+    if emb.data_ptr() != llm.engine.model.lm_head.weight.data_ptr():
+        weights -= emb.numel() * emb.element_size()
+    kv = batch * ctx * 2 * len(r.attn_layers) * c.num_kv_heads * c.head_dim * r.dtype.itemsize
+    state = batch * r.state_bytes_per_seq * 2  # read + write
+    return {"weights": weights, "kv": kv, "gdn_state": state, "total": weights + kv + state}
+
+
+def fill_sequences(llm: LLM, batch: int, ctx: int, steps: int):
+    """Put `batch` sequences of `ctx` tokens in the running set with random KV and GDN state."""
+    eng = llm.engine
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for m in eng.runner.attn_layers:
+        m.k_cache.normal_(0, 1, generator=g)
+        m.v_cache.normal_(0, 1, generator=g)
+    for m in eng.runner.gdn_layers:
+        m.conv_state.normal_(0, 0.1, generator=g)
+        m.ssm_state.normal_(0, 0.01, generator=g)
+    seqs = []
+    for b in range(batch):
+        ids = torch.randint(0, eng.model_config.vocab_size, (ctx,)).tolist()
+        seq = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+        eng.scheduler.waiting.remove(seq)
+        seq.state_slot = eng.scheduler.free_slots.popleft()
+        eng.blocks.grow(seq, ctx)
+        seq.num_cached = ctx - 1
+        seq.status = Status.RUNNING
+        eng.scheduler.running.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def time_decode(llm: LLM, steps: int) -> float:
+    eng = llm.engine
+    for _ in range(3):
+        eng.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def clear(llm: LLM) -> None:
+    eng = llm.engine
+    for rid in list(eng.requests):
+        eng.abort(rid)
+
+
+def bench_sketchkv(args, bw: float) -> list[dict]:
+    rows = []
+    max_ctx = max(args.contexts)
+    max_b = max(args.batches)
+    blocks = max_b * math.ceil((max_ctx + 512) / 64) + 1
+    for eager in ([False, True] if args.eager_too else [False]):
+        llm = LLM(f"random:{args.preset}", max_num_seqs=max_b, max_model_len=max_ctx + 512,
+                  num_kv_blocks=blocks, max_num_batched_tokens=args.prefill_chunk, enforce_eager=eager)
+        for ctx in args.contexts:
+            for b in args.batches:
+                fill_sequences(llm, b, ctx, args.steps + 8)
+                dt = time_decode(llm, args.steps)
+                fb = decode_floor_bytes(llm, b, ctx)
+                floor = fb["total"] / bw
+                rows.append(dict(engine="sketchkv", graphs=not eager, phase="decode", context=ctx, batch=b,
+                                 step_ms=dt * 1e3, tok_s=b / dt, floor_ms=floor * 1e3,
+                                 floor_fraction=floor / dt, bytes=fb))
+                print(f"sketchkv {'eager' if eager else 'graphs'} decode ctx={ctx} b={b}: {dt*1e3:.2f} ms/step "
+                      f"{b/dt:.1f} tok/s, floor {floor*1e3:.2f} ms ({floor/dt:.0%})", flush=True)
+                clear(llm)
+        if not eager:
+            for ctx in args.prefill_contexts:
+                ids = torch.randint(0, llm.engine.model_config.vocab_size, (ctx,)).tolist()
+                sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+                llm.generate(prompt_token_ids=[ids[:2048]], sampling_params=sp)  # warm
+                sync()
+                t0 = time.perf_counter()
+                llm.generate(prompt_token_ids=[ids], sampling_params=sp)
+                sync()
+                dt = time.perf_counter() - t0
+                rows.append(dict(engine="sketchkv", phase="prefill", context=ctx, batch=1, seconds=dt,
+                                 tok_s=ctx / dt, chunk=args.prefill_chunk))
+                print(f"sketchkv prefill ctx={ctx}: {dt:.2f} s, {ctx/dt:.0f} tok/s", flush=True)
+        del llm
+        gc.collect()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_hf(args, bw: float) -> list[dict]:
+    import transformers
+    from sketchkv.models.presets import PRESETS
+    raw = dict(PRESETS[args.preset])
+    raw.pop("model_type")
+    cfg = transformers.Qwen3_5TextConfig(**raw)
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        model = transformers.Qwen3_5ForCausalLM(cfg).eval()
+        torch.set_default_dtype(torch.float32)
+    rows = []
+    for ctx in args.hf_contexts:
+        for b in args.hf_batches:
+            ids = torch.randint(0, cfg.vocab_size, (b, ctx), device="cuda")
+            try:
+                with torch.inference_mode():
+                    sync(); t0 = time.perf_counter()
+                    out = model(ids, use_cache=True, logits_to_keep=1)
+                    sync(); pre = time.perf_counter() - t0
+                    cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                    times = []
+                    for i in range(args.hf_steps + 2):
+                        sync(); t0 = time.perf_counter()
+                        out = model(tok, past_key_values=cache, use_cache=True)
+                        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                        sync()
+                        if i >= 2:
+                            times.append(time.perf_counter() - t0)
+                dt = sorted(times)[len(times) // 2]
+                rows.append(dict(engine="transformers", phase="decode", context=ctx, batch=b, step_ms=dt * 1e3,
+                                 tok_s=b / dt))
+                rows.append(dict(engine="transformers", phase="prefill", context=ctx, batch=b, seconds=pre,
+                                 tok_s=b * ctx / pre))
+                print(f"transformers ctx={ctx} b={b}: decode {dt*1e3:.1f} ms/step {b/dt:.1f} tok/s; "
+                      f"prefill {b*ctx/pre:.0f} tok/s", flush=True)
+                del out, cache
+            except torch.OutOfMemoryError:
+                rows.append(dict(engine="transformers", context=ctx, batch=b, error="out of memory"))
+                print(f"transformers ctx={ctx} b={b}: OOM", flush=True)
+            gc.collect(); torch.cuda.empty_cache()
+    del model
+    gc.collect(); torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen3.5-27b")
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prefill-contexts", type=int, nargs="*", default=[8192, 131072])
+    p.add_argument("--prefill-chunk", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--eager-too", action="store_true", help="also time decode without CUDA graphs")
+    p.add_argument("--hf", action="store_true", help="also run transformers on the same config")
+    p.add_argument("--hf-contexts", type=int, nargs="*", default=[8192, 131072])
+    p.add_argument("--hf-batches", type=int, nargs="*", default=[1])
+    p.add_argument("--hf-steps", type=int, default=8)
+    p.add_argument("--out", default="benchmarks/results/engine.json")
+    args = p.parse_args()
+    bw = hbm_copy_bandwidth()
+    print(f"HBM copy bandwidth: {bw/1e12:.2f} TB/s", flush=True)
+    result = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device=torch.cuda.get_device_name() if DEV == "cuda" else platform.processor(),
+                  torch=torch.__version__, python=platform.python_version(), command=" ".join(sys.argv),
+                  hbm_copy_bytes_per_s=bw, rows=[])
+    try:
+        result["rows"] += bench_sketchkv(args, bw)
+        if args.hf:
+            result["rows"] += bench_hf(args, bw)
+    finally:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print("\n| engine | phase | context | batch | ms/step or s | tok/s | floor fraction |")
+    print("|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        if "error" in r:
+            print(f"| {r['engine']} | - | {r['context']} | {r['batch']} | {r['error']} | | |")
+            continue
+        t = f"{r['step_ms']:.2f} ms" if r["phase"] == "decode" else f"{r['seconds']:.2f} s"
+        ff = f"{r['floor_fraction']:.0%}" if "floor_fraction" in r else ""
+        tag = r["engine"] + ("" if r.get("graphs", True) else " (eager)")
+        print(f"| {tag} | {r['phase']} | {r['context']} | {r['batch']} | {t} | {r['tok_s']:.1f} | {ff} |")
+
+
+if __name__ == "__main__":
+    main()

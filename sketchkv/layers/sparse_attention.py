@@ -1,0 +1,72 @@
+"""Sparse decode attention: the same interface as `Attention`, reading only the rows that matter.
+
+Each decode step: project the queries through the frozen key basis, score every cached token
+through its int4 sketch, take the top k (deterministic), add the first `sink_tokens` and the last
+`recent_tokens`, and run exact softmax attention over exactly those rows. Prefill stays dense
+(and writes the sketches). A sequence whose context fits in sinks + top_k + recent selects all of
+its tokens, so the sparse path then gives the dense result.
+"""
+import torch
+
+from sketchkv.config import SparseConfig
+from sketchkv.engine.context import get_context
+from sketchkv.layers.attention import Attention
+from sketchkv.ops.sketch import quantize_int4, sketch_score
+from sketchkv.ops.sparse_attention import sparse_attention
+from sketchkv.ops.topk import topk
+
+SENTINEL = torch.iinfo(torch.int32).max
+
+
+class SparseAttention(Attention):
+    def __init__(self, dense: Attention, cfg: SparseConfig, basis: torch.Tensor, mean: torch.Tensor):
+        super().__init__(dense.num_heads, dense.num_kv_heads, dense.head_dim, dense.scale)
+        self.cfg = cfg
+        self.basis = basis            # [Hkv, D, r]
+        self.mean = mean              # [Hkv, D]
+        self.rank = basis.shape[-1]
+        # Bound by the model runner, paged like the KV cache:
+        self.sketch = torch.tensor([])        # [num_blocks, block_size, Hkv, r // 2] uint8
+        self.sketch_scale = torch.tensor([])  # [num_blocks, block_size, Hkv] fp16
+        self.last_indices = None              # picks of the last decode step (for tests and stats)
+
+    def sketch_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        proj = torch.einsum("thd,hdr->thr", k.float() - self.mean, self.basis)
+        return quantize_int4(proj)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        packed, scale = self.sketch_keys(k)
+        self.sketch.view(-1, self.num_kv_heads, self.rank // 2).index_copy_(0, ctx.slot_mapping, packed)
+        self.sketch_scale.view(-1, self.num_kv_heads).index_copy_(0, ctx.slot_mapping, scale)
+        if not (ctx.is_decode and ctx.sparse):
+            return super().forward(q, k, v)
+        self.store_kv(k, v)
+        idx, counts = self.select(q, ctx)
+        self.last_indices = (idx, counts)
+        return sparse_attention(q, self.k_cache, self.v_cache, ctx.block_tables, idx, counts, self.scale)
+
+    def select(self, q: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> token positions [B, Hsel, S + k + R] sorted ascending (SENTINEL-padded) and counts [B, Hsel]."""
+        c = self.cfg
+        B = q.shape[0]
+        max_len = ctx.block_tables.shape[1] * self.k_cache.shape[1] if ctx.graph else ctx.max_seq_len
+        G = self.num_heads // self.num_kv_heads
+        qs = q.float().view(B, self.num_kv_heads, G, self.head_dim).sum(2)
+        qp = torch.einsum("bhd,hdr->bhr", qs, self.basis)
+        scores = sketch_score(qp, self.sketch, self.sketch_scale, ctx.block_tables, ctx.seq_lens,
+                              c.sink_tokens, c.recent_tokens, max_len, c.shared_selection)
+        k = min(c.top_k, max_len)
+        vals, picks = topk(scores, k)
+        picks = torch.where(torch.isfinite(vals), picks, SENTINEL)
+        n = ctx.seq_lens.long()[:, None, None]
+        ar_s = torch.arange(c.sink_tokens, device=q.device)
+        ar_r = torch.arange(c.recent_tokens, device=q.device)
+        sinks = torch.where(ar_s < n, ar_s, SENTINEL)
+        recent_start = torch.maximum(n - c.recent_tokens, torch.full_like(n, c.sink_tokens))
+        recent = torch.where(recent_start + ar_r < n, recent_start + ar_r, SENTINEL)
+        H = picks.shape[1]
+        idx = torch.cat([sinks.expand(B, H, -1), picks, recent.expand(B, H, -1)], dim=-1)
+        idx = torch.sort(idx, dim=-1).values
+        counts = (idx < SENTINEL).sum(-1).to(torch.int32)
+        return idx.to(torch.int32), counts
