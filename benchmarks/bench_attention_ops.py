@@ -105,21 +105,27 @@ def main():
             rows.append({"case": name, "block_size": bs, "seq_lens": lens, **r})
     sweep = []
     if args.sweep:
-        lens = [131072] * 8
+        big, mixed = [131072] * 8, cases[-1][1]
         for block_n in (16, 32, 64):
             for num_warps in (2, 4, 8):
                 for num_stages in (2, 3):
                     try:
-                        r = bench_decode(lens, Hq, Hkv, D, 16, check=False, num_splits=16, block_n=block_n,
+                        r = bench_decode(big, Hq, Hkv, D, 16, check=False, block_n=block_n,
                                          num_warps=num_warps, num_stages=num_stages)
                     except Exception as e:  # e.g. out of shared memory for big tiles x stages
                         r = {"error": repr(e)[:200]}
-                    sweep.append({"B": 8, "L": 131072, "num_splits": 16, "block_n": block_n,
-                                  "num_warps": num_warps, "num_stages": num_stages, **r})
-        for B, L in ((1, 32768), (8, 32768), (32, 8192)):
-            for ns in (4, 8, 16, 32, 64, 128):
-                r = bench_decode([L] * B, Hq, Hkv, D, 16, check=False, num_splits=ns)
-                sweep.append({"B": B, "L": L, "num_splits": ns, **r})
+                    sweep.append({"case": "B8 128K", "block_n": block_n, "num_warps": num_warps,
+                                  "num_stages": num_stages, **r})
+        for name, lens in (("B1 4K", [4096]), ("B1 32K", [32768]), ("B8 mixed", mixed)):
+            for mst in (32, 64, 256, 512):
+                r = bench_decode(lens, Hq, Hkv, D, 16, check=False, min_split_tokens=mst)
+                sweep.append({"case": name, "min_split_tokens": mst, **r})
+        wave = 4 * torch.cuda.get_device_properties(0).multi_processor_count // Hkv
+        for name, lens in (("B1 32K", [32768]), ("B8 128K", big), ("B8 mixed", mixed), ("B32 8K", [8192] * 32)):
+            for f in (0.5, 2, 4):  # split_target as a multiple of one wave (default: wave - B)
+                r = bench_decode(lens, Hq, Hkv, D, 16, check=False, max_splits=4 * wave,
+                                 split_target=int(f * wave))
+                sweep.append({"case": name, "split_target": int(f * wave), **r})
     resources = kernel_resources()
 
     props = torch.cuda.get_device_properties(0)

@@ -212,9 +212,18 @@ def _extract_job(args):
 
 
 def function_pool(texts: dict[str, str], workers: int, max_functions: int, seed: int,
-                  max_per_file: int = 3) -> list[tuple[str, int]]:
+                  max_per_file: int = 3, max_source_mb: float = 60.0) -> list[tuple[str, int]]:
+    """Up to `max_functions` functions (see extract_functions) from a seeded sample of at most `max_source_mb` of
+    the given files."""
     rels = sorted(texts)
-    jobs = [(r, texts[r], max_per_file) for r in rels]
+    random.Random(seed).shuffle(rels)
+    picked, total = [], 0
+    for r in rels:
+        if total >= max_source_mb * 1e6:
+            break
+        picked.append(r)
+        total += len(texts[r])
+    jobs = [(r, texts[r], max_per_file) for r in sorted(picked)]
     pool_out: list[tuple[str, int]] = []
     if workers > 1 and len(jobs) > 256:
         import multiprocessing as mp
@@ -307,6 +316,18 @@ def token_tables(tok) -> tuple[np.ndarray, np.ndarray]:
     return nbytes, ends_nl
 
 
+def encode_with_offsets(tok, text: str, starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and token start characters of `text`, encoded file by file (in parallel); `starts` are the
+    character offsets at which `text` is cut (file starts)."""
+    bounds = list(starts) + [len(text)]
+    pieces = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    ids, tstarts = [], []
+    for a, e in zip(bounds[:-1], tok.encode_batch(pieces, add_special_tokens=False)):
+        ids.append(np.asarray(e.ids, dtype=np.int64))
+        tstarts.append(np.asarray([o[0] for o in e.offsets], dtype=np.int64) + a)
+    return np.concatenate(ids), np.concatenate(tstarts)
+
+
 def encode_texts(tok, texts: list[str], chunk_chars: int = 8_000_000) -> list[np.ndarray]:
     """Token ids (uint16/uint32) of each text, encoded in parallel by the Rust tokenizer, chunk by chunk."""
     dtype = np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 65535 else np.uint32
@@ -346,7 +367,8 @@ def build_package_streams(tok, files: list[SourceFile], texts: dict[str, str]) -
 
 
 def heldout_text(files: list[SourceFile], texts: dict[str, str]) -> tuple[str, list[int]]:
-    """Held-out packages concatenated (same format as training, no EOT); also each file's start offset."""
+    """Held-out packages concatenated in path order, each file behind its `# file:` header (as in training, no
+    EOT); also each file's start offset."""
     parts, starts, pos = [], [], 0
     for f in sorted(files, key=lambda f: (f.package, f.rel)):
         if f.rel not in texts:
@@ -476,7 +498,7 @@ class BatchBuilder:
         pieces: list[tuple[float, str, list[tuple[int, int]] | None]] = []  # (position in [0,1], text, answer spans)
         func_pieces: list[tuple[float, int, bool]] = []  # (position, pool index, is_second_copy)
         scale = n / 16384
-        max_entries = max(4, int(40 * min(scale, 1.0)))
+        max_entries = max(4, int(64 * min(scale, 1.0)))
         n_reg = prng.randint(1, 3)
         regs = []
         for _ in range(n_reg):
@@ -484,16 +506,22 @@ class BatchBuilder:
             pos = prng.uniform(0.0, 0.15)
             regs.append((reg, pos))
             pieces.append((pos, reg.definition(), None))
-        n_look = max(4, int(prng.randint(12, 48) * min(scale, 2.0)))
-        for _ in range(n_look):
-            reg, rpos = prng.choice(regs)
-            line, a, b = reg.lookup(prng.randrange(len(reg.entries)))
-            # half of the assertions anywhere after the definition, half in the second half of the row
-            pos = prng.uniform(rpos + 0.01, 1.0) if prng.random() < 0.5 else prng.uniform(max(rpos, 0.5), 1.0)
-            pieces.append((min(pos, 0.999), line, [(a, b)]))
-        reg, _ = prng.choice(regs)
-        line, a, b = reg.lookup(prng.randrange(len(reg.entries)))
-        pieces.append((1.0, line, [(a, b)]))  # one assertion at the very end of the row
+        # lookups: every entry at most once until all were asked (long-range pressure: an earlier assertion of
+        # the same key would be a shorter path), then again
+        entries = [(ri, ei) for ri, (reg, _) in enumerate(regs) for ei in range(len(reg.entries))]
+        prng.shuffle(entries)
+        n_look = max(4, int(prng.randint(32, 160) * min(scale, 2.0)))
+        for li in range(n_look + 1):
+            ri, ei = entries[li % len(entries)]
+            reg, rpos = regs[ri]
+            line, a, b = reg.lookup(ei)
+            if li == n_look:
+                pos = 1.0  # one assertion at the very end of the row
+            elif prng.random() < 0.5:  # half anywhere after the definition, half in the second half of the row
+                pos = min(prng.uniform(rpos + 0.01, 1.0), 0.999)
+            else:
+                pos = min(prng.uniform(max(rpos, 0.5), 1.0), 0.999)
+            pieces.append((pos, line, [(a, b)]))
         if self.funcs:
             for _ in range(prng.randint(0, 3)):
                 fi = prng.randrange(len(self.funcs))
@@ -534,7 +562,12 @@ class BatchBuilder:
             snippets.pop(i)
         if total > n - 8:
             raise ValueError(f"synthetic snippets ({total} tokens) do not fit a row of {n} tokens")
-        filler = self._window(rng, n - total).astype(np.int64)
+        need = n - total
+        extra = min(1024, max(16, need // 4))
+        win = self._window(rng, need + extra).astype(np.int64)
+        ends = np.flatnonzero(self.ends_nl[win[need - 1:]]) + need  # filler must end at a line end
+        end = int(ends[0]) if len(ends) else need
+        filler = win[end - need:end]
         nl = np.flatnonzero(self.ends_nl[filler]) + 1  # insertion points: right after a newline token
         if len(nl) == 0:
             nl = np.array([len(filler)])
@@ -575,15 +608,20 @@ class EvalDoc:
 
 
 class HeldoutDocs:
-    """Builds lookup / copy documents of a given token length from held-out code."""
+    """Builds lookup / copy documents of a given token length from held-out code.
 
-    def __init__(self, tok, text: str, file_starts: list[int], funcs: list[tuple[str, int]]):
+    `text` is the held-out text (see heldout_text), `file_starts` the character offset of each file in it and
+    `tok_starts` the character offset of each of its tokens (only used to cut filler of about the right length).
+    """
+
+    def __init__(self, tok, text: str, file_starts: list[int], funcs: list[tuple[str, int]], tok_starts=None):
         self.tok = tok
         self.text = text
         self.file_starts = file_starts
         self.funcs = funcs
-        enc = tok.encode(text, add_special_tokens=False)
-        self.tok_starts = np.array([o[0] for o in enc.offsets], dtype=np.int64)
+        if tok_starts is None:
+            tok_starts = [o[0] for o in tok.encode(text, add_special_tokens=False).offsets]
+        self.tok_starts = np.asarray(tok_starts, dtype=np.int64)
         # line starts, for cutting filler at line boundaries
         self.line_starts = np.array([0] + [m.end() for m in re.finditer("\n", text)][:-1], dtype=np.int64)
 

@@ -64,6 +64,9 @@ def parse_args(argv=None):
                    help="full training state (fp32 weights + AdamW) for --resume; kept out of the package")
     g.add_argument("--resume", default=None, metavar="DIR", help="continue training from checkpoint DIR")
     g.add_argument("--eval-only", default=None, metavar="DIR", help="only evaluate checkpoint DIR and write the report")
+    g.add_argument("--export", default=None, metavar="DIR",
+                   help="at the end, write the checkpoint as a tar split in <=15 MiB parts + the report files to DIR "
+                        "(e.g. $OUT on the device machine)")
     g = p.add_argument_group("data")
     g.add_argument("--corpus-root", default=None, help="site-packages to read (default: this interpreter's purelib)")
     g.add_argument("--heldout", default="networkx,rich,jinja2,click", help="held-out packages (comma separated)")
@@ -109,7 +112,7 @@ def parse_args(argv=None):
     g.add_argument("--minutes", type=float, default=8.0, help="training-loop budget of this command (minutes)")
     g.add_argument("--total-minutes", type=float, default=None,
                    help="training budget over all commands of this run (LR schedule); default: --minutes")
-    g.add_argument("--wall-minutes", type=float, default=9.5,
+    g.add_argument("--wall-minutes", type=float, default=9.0,
                    help="hard cap for this whole process: training stops early enough to save (and evaluate)")
     g.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (tests)")
     g.add_argument("--log-every", type=int, default=10)
@@ -131,7 +134,7 @@ def parse_args(argv=None):
     g.add_argument("--eval-generate-check", type=int, default=2,
                    help="per task, run real cached greedy generation on this many shortest-length samples and "
                         "compare with the teacher-forced verdict")
-    g.add_argument("--eval-reserve-minutes", type=float, default=1.5,
+    g.add_argument("--eval-reserve-minutes", type=float, default=2.5,
                    help="wall time kept for the evaluation after training (within --wall-minutes)")
     args = p.parse_args(argv)
     if args.total_minutes is None:
@@ -229,7 +232,7 @@ def prune_fla_autotune(max_configs: int) -> dict:
 
         at.early_config_prune = early_prune
 
-    seen, n_configs_before = set(), 0
+    seen, n_configs_before, n_new = set(), 0, 0
     for mname, mod in list(sys.modules.items()):
         if mod is None or not (mname == "fla" or mname.startswith("fla.")):
             continue
@@ -239,10 +242,14 @@ def prune_fla_autotune(max_configs: int) -> dict:
                 if isinstance(o, Autotuner) and id(o) not in seen:
                     seen.add(id(o))
                     n_configs_before += len(o.configs)
-                    limit(o)
-                o = getattr(o, "fn", None) if not callable(getattr(o, "__code__", None)) else None
+                    if not getattr(o, "_sketchkv_pruned", False):
+                        limit(o)
+                        o._sketchkv_pruned = True
+                        n_new += 1
+                o = getattr(o, "fn", None)
                 depth += 1
-    return {"autotuners": len(seen), "configs_listed": n_configs_before, "max_configs_each": max_configs}
+    return {"autotuners": len(seen), "newly_pruned": n_new, "configs_listed": n_configs_before,
+            "max_configs_each": max_configs}
 
 
 def fla_guard_and_check(cfg, device, tol: float) -> dict:
@@ -251,8 +258,6 @@ def fla_guard_and_check(cfg, device, tol: float) -> dict:
     (`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`). Either way fla's chunk_gated_delta_rule (through
     transformers' binding, bf16 q/k/v/beta, fp32 g, like the model) is checked against transformers' fp32 PyTorch
     reference, forward and backward, at B=2, T=1024; the run aborts above `tol` relative error."""
-    import torch
-    import torch.nn.functional as F
     import transformers.models.qwen3_5.modeling_qwen3_5 as M
     out = {"guard_bypassed": False}
     import fla.ops.common.chunk_o as co
@@ -269,7 +274,23 @@ def fla_guard_and_check(cfg, device, tol: float) -> dict:
     bound = M.torch_chunk_gated_delta_rule
     bound = getattr(bound, "_bound", bound)
     ref = getattr(bound, "__wrapped__", bound)
-    B, T, H, HV = 2, 1024, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    out.update(gdn_grad_check(bound, ref, cfg, device))
+    out["tol"] = tol
+    log("GDN check fla vs fp32 torch reference (fwd+bwd, B=2 T=1024): " +
+        " ".join(f"{n}={e:.4f}" for n, e in out["rel_err"].items()) +
+        f"  (first call incl. compile/autotune {out['first_call_s']:.0f}s)")
+    if not all(math.isfinite(e) and e <= tol for e in out["rel_err"].values()):
+        raise SystemExit(f"fla chunk_gated_delta_rule disagrees with the PyTorch reference (max rel err "
+                         f"{out['max_rel_err']:.4f} > {tol}): aborting")
+    return out
+
+
+def gdn_grad_check(fast, ref, cfg, device, B=2, T=1024) -> dict:
+    """Relative errors of `fast` (bf16 q/k/v/beta, fp32 g, as the model calls it) against `ref` on fp32 copies of
+    the same inputs: output and the gradients of q, k, v, g, beta for a fixed random upstream gradient."""
+    import torch
+    import torch.nn.functional as F
+    H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     gen = torch.Generator(device="cpu").manual_seed(1234)
 
@@ -283,7 +304,6 @@ def fla_guard_and_check(cfg, device, tol: float) -> dict:
     g = (-a_log.exp() * F.softplus(rnd(B, T, HV) + 1.0)).float()
     beta = torch.sigmoid(rnd(B, T, HV)).bfloat16()
     do = rnd(B, T, HV, V)
-    names = ["o", "dq", "dk", "dv", "dg", "dbeta"]
 
     def run(fn, tensors):
         ts = [t.detach().clone().requires_grad_(True) for t in tensors]
@@ -293,21 +313,15 @@ def fla_guard_and_check(cfg, device, tol: float) -> dict:
         return [o.detach().float()] + [t.grad.detach().float() for t in ts]
 
     t0 = time.time()
-    got = run(bound, [q, k, v, g, beta])
-    torch.cuda.synchronize()
-    t_fla = time.time() - t0
+    got = run(fast, [q, k, v, g, beta])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t_fast = time.time() - t0
     want = run(ref, [q.float(), k.float(), v.float(), g.float(), beta.float()])
-    errs = {}
-    for n, a, b in zip(names, got, [want[0], want[1], want[2], want[3], want[4], want[5]]):
-        errs[n] = float((a - b).norm() / b.norm().clamp_min(1e-30))
-    out.update({"rel_err": errs, "max_rel_err": max(errs.values()), "tol": tol, "first_call_s": round(t_fla, 1),
-                "shape": {"B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V}})
-    log("GDN check fla vs fp32 torch reference (fwd+bwd, B=2 T=1024): " +
-        " ".join(f"{n}={e:.4f}" for n, e in errs.items()) + f"  (first call incl. compile/autotune {t_fla:.0f}s)")
-    if not all(math.isfinite(e) and e <= tol for e in errs.values()):
-        raise SystemExit(f"fla chunk_gated_delta_rule disagrees with the PyTorch reference (max rel err "
-                         f"{out['max_rel_err']:.4f} > {tol}): aborting")
-    return out
+    errs = {n: float((a - b).norm() / b.norm().clamp_min(1e-30))
+            for n, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, want)}
+    return {"rel_err": errs, "max_rel_err": max(errs.values()), "first_call_s": round(t_fast, 1),
+            "shape": {"B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V}}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -414,15 +428,17 @@ def save_checkpoint(out_dir, model, mtp, tok, heldout_info, trainer_state, eot_i
     sd = export_state_dict(model, mtp, torch.bfloat16)
     tmp = os.path.join(out_dir, "model.safetensors.tmp")
     save_file(sd, tmp, metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)
     os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
     cfg = model.config.to_dict()
     cfg["architectures"] = ["Qwen3_5ForCausalLM"]
     cfg["mtp_num_hidden_layers"] = 1
     cfg["dtype"] = "bfloat16"
     cfg["torch_dtype"] = "bfloat16"
-    cfg.pop("_attn_implementation_autoset", None)
-    cfg.pop("attn_implementation", None)
-    cfg.pop("_name_or_path", None)
+    for junk in ("_attn_implementation_autoset", "attn_implementation", "_name_or_path", "id2label", "label2id",
+                 "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions",
+                 "output_hidden_states", "return_dict"):
+        cfg.pop(junk, None)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     gen = {"bos_token_id": None, "eos_token_id": [eot_id, im_end_id], "pad_token_id": eot_id, "do_sample": False}
@@ -450,7 +466,7 @@ def prepare_data(args, tok_dir=None):
     import numpy as np
     import reference_data as rd
     t0 = time.time()
-    root = args.corpus_root or rd.default_corpus_root()
+    root = os.path.abspath(args.corpus_root or rd.default_corpus_root())
     heldout = [s for s in args.heldout.split(",") if s]
     packages = [s for s in args.packages.split(",") if s] if args.packages else None
     split = rd.discover_corpus(root, heldout, packages, args.max_file_kb, args.corpus_mb, args.seed)
@@ -742,7 +758,7 @@ def train(args) -> int:
     reserve = 15.0 + (args.eval_reserve_minutes * 60 if args.eval else 0.0)
     stop_at = min(t_train0 + args.minutes * 60, t_proc + args.wall_minutes * 60 - reserve)
     total_left_after = lambda: max(0.0, args.total_minutes * 60 - used_train_s - (stop_at - t_train0))  # noqa: E731
-    log(f"training: {B}x{L} tokens/step" + (f", every {args.long_every}th step {long_rows}x{args.long_seq_len}"
+    log(f"training: {B}x{L} tokens/step" + (f", 1 step in {args.long_every}: {long_rows}x{args.long_seq_len}"
                                             if use_long else "") +
         f"; budget this command {max(0, stop_at - t_train0) / 60:.2f} min (of --minutes {args.minutes:g}, wall cap "
         f"{args.wall_minutes:g}), whole run {args.total_minutes:g} min, {used_train_s / 60:.2f} used before")
@@ -751,6 +767,7 @@ def train(args) -> int:
     first_step_s = None
     start_step = step
     last = time.time()
+    n_since = 0
     while True:
         now = time.time()
         if now >= stop_at or (args.max_steps is not None and step >= args.max_steps):
@@ -789,6 +806,7 @@ def train(args) -> int:
         acc["tok"] += x.numel()
         acc["syn"] += n_syn
         acc["rows"] += x.shape[0]
+        n_since += 1
         if step - start_step <= 3 or step % args.log_every == 0:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -797,9 +815,12 @@ def train(args) -> int:
             if step - start_step == 1:
                 first_step_s = dt
                 log(f"first step (incl. kernel compile/autotune) {dt:.1f}s")
+                if device.type == "cuda" and args.fla_autotune == "lite" and "fla_autotune" in kernel_info:
+                    prune_fla_autotune(args.fla_max_configs)  # kernels of modules imported lazily
             elif step - start_step > 3:
-                step_times.append(dt / max(1, acc["n"]))
+                step_times.append(dt / n_since)
             last = now
+            n_since = 0
         if step % args.log_every == 0 or (args.max_steps is not None and step >= args.max_steps):
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -871,6 +892,9 @@ def train(args) -> int:
             torch.cuda.empty_cache()
         ev.evaluate_and_report(args, args.out, device, corpus_root=split.root, eval_command=None,
                                deadline=t_proc + args.wall_minutes * 60 - 5)
+    elif args.export:
+        import eval_reference as ev
+        ev.export_artifacts(args.out, args.report, args.export)
     log(f"done in {(time.time() - t_proc) / 60:.2f} min")
     return 0
 

@@ -102,25 +102,25 @@ def nan_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
-DECODE_CFGS = [  # (G, Hkv, D, block_size, dtype, num_splits)
-    (1, 2, 64, 16, torch.float32, None),
-    (4, 2, 128, 64, torch.float32, None),
-    (6, 1, 64, 64, torch.float32, 7),     # more splits than some sequences have tiles: empty splits
-    (4, 1, 256, 16, torch.float32, 1),    # single split, head_dim 256
-    (6, 2, 128, 16, torch.bfloat16, 3),
-    (1, 1, 16, 16, torch.bfloat16, None),
+DECODE_CFGS = [  # (G, Hkv, D, block_size, dtype, kernel knobs)
+    (1, 2, 64, 16, torch.float32, {}),
+    (4, 2, 128, 64, torch.float32, {"block_n": 16, "min_split_tokens": 16}),  # many splits per sequence
+    (6, 1, 64, 64, torch.float32, {"max_splits": 3, "block_n": 16, "min_split_tokens": 16}),  # capped, re-spread
+    (4, 1, 256, 16, torch.float32, {"max_splits": 1}),  # single split, head_dim 256
+    (6, 2, 128, 16, torch.bfloat16, {"block_n": 32, "min_split_tokens": 32, "split_target": 2}),
+    (1, 1, 16, 16, torch.bfloat16, {}),
 ]
 
 
 @needs_interp
-@pytest.mark.parametrize("G,Hkv,D,bs,dtype,num_splits", DECODE_CFGS)
-def test_interp_decode_kernel_vs_ref(G, Hkv, D, bs, dtype, num_splits, nan_empty):
+@pytest.mark.parametrize("G,Hkv,D,bs,dtype,kw", DECODE_CFGS)
+def test_interp_decode_kernel_vs_ref(G, Hkv, D, bs, dtype, kw, nan_empty):
     seq_lens = [1, 37, 150]  # includes 1 and lengths that are not multiples of the block size
     k_cache, v_cache, bt, lens, _ = make_paged(seq_lens, Hkv, D, bs, dtype, seed=G * D + bs)
     q = torch.randn(len(seq_lens), G * Hkv, D).to(dtype)
     scale = D ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_attention_decode(q, k_cache, v_cache, bt, lens, scale, num_splits=num_splits, out=out)
+    paged_attention_decode(q, k_cache, v_cache, bt, lens, scale, out=out, **kw)
     ref = paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, scale)
     assert not out.isnan().any()
     tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: both sides round the same fp32 to bf16 (1 ulp = 2^-8)
@@ -130,14 +130,24 @@ def test_interp_decode_kernel_vs_ref(G, Hkv, D, bs, dtype, num_splits, nan_empty
 @needs_interp
 def test_interp_decode_kernel_zero_len_padding(nan_empty):
     # CUDA-graph batches are padded with seq_len 0 rows (block table all -1): they must give 0, not NaN
-    k_cache, v_cache, bt, lens, _ = make_paged([9, 1], 2, 32, 16, torch.float32)
+    k_cache, v_cache, bt, lens, _ = make_paged([70, 1], 2, 32, 16, torch.float32)
     bt[1] = -1
     lens[1] = 0
     q = torch.randn(2, 4, 32)
-    out = paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.2, num_splits=2)
+    out = paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.2, block_n=16, min_split_tokens=16)
     ref = paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, 0.2)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_interp
+@pytest.mark.parametrize("seq_lens", [[300], [2, 3, 200, 17, 1]])
+def test_interp_decode_kernel_batch_shapes(seq_lens, nan_empty):
+    # B=1 (B_PAD=1) and a long sequence among short ones (it takes most of the split budget)
+    k_cache, v_cache, bt, lens, _ = make_paged(seq_lens, 1, 32, 16, torch.float32, seed=len(seq_lens))
+    q = torch.randn(len(seq_lens), 2, 32)
+    out = paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.2, block_n=16, min_split_tokens=16)
+    torch.testing.assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, 0.2), atol=1e-4, rtol=1e-4)
 
 
 def test_interpreter_child():

@@ -4,8 +4,8 @@
   kernels when fla is installed, so we take the original torch functions with inspect.unwrap.
 - fla on CPU: its decode kernels and conv kernels run under TRITON_INTERPRET=1 (the chunk kernel does
   not). Triton picks the interpreter when a kernel is decorated, i.e. at fla's import, so the
-  `test_interp_*` tests run only in a child `python -m pytest -k interp` started with the variable set
-  (test_fla_interpreter_child, `-k interp_`). The child patches two triton-3.6 interpreter gaps: int() of a
+  `test_interp_*` tests run only in a child `python -m pytest -k interp_` started with the variable
+  set (test_fla_interpreter_child). The child patches two triton-3.6 interpreter gaps: int() of a
   1-element array (an error from numpy 2.4 on) and autotuning, which needs a GPU to time configs.
 - `gpu` tests: real sizes, bf16, fla vs the fp32 references, and CUDA-graph capture of the decode ops.
 """
@@ -31,7 +31,8 @@ try:
     HAS_FLA = bool(importlib.metadata.version("fla-core"))
 except importlib.metadata.PackageNotFoundError:
     HAS_FLA = False
-needs_interp = pytest.mark.skipif(not INTERP, reason="runs in the TRITON_INTERPRET=1 child (test_fla_interpreter_child)")
+needs_interp = pytest.mark.skipif(not INTERP, 
+                                  reason="runs in the TRITON_INTERPRET=1 child (test_fla_interpreter_child)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 if INTERP:
@@ -60,7 +61,8 @@ S = 6
 def hf():
     """transformers' torch reference functions (imported lazily: the interpreter child doesn't need them)."""
     from transformers.models.qwen3_next import modeling_qwen3_next as m
-    names = ["causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"]
+    names = ["causal_conv1d_fn", "causal_conv1d_update",
+             "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"]
     fns = {n: inspect.unwrap(getattr(m, n)) for n in names}
     assert all(f.__module__ == m.__name__ for f in fns.values())
     return fns
@@ -134,7 +136,8 @@ def test_gdn_varlen_ref_vs_transformers(hf):
     before = states.clone()
     cu = cu_of(LENS)
     o = gated_delta_rule_varlen_ref(q, k, v, g, beta, states, torch.tensor(SLOTS), cu)
-    qe, ke = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)  # transformers < 5.2x wants Hk == Hv
+    # older transformers (5.17, on the GPU image) want Hk == Hv here
+    qe, ke = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)
     for n, slot in enumerate(SLOTS):
         s, e = cu[n], cu[n + 1]
         args = (qe[None, s:e], ke[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e])
@@ -155,7 +158,8 @@ def test_gdn_decode_ref_vs_transformers(hf):
     before = states.clone()
     slots = torch.tensor(SLOTS)
     o = gated_delta_rule_decode_ref(q, k, v, g, beta, states, slots)
-    qe, ke = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)  # transformers < 5.2x wants Hk == Hv
+    # older transformers (5.17, on the GPU image) want Hk == Hv here
+    qe, ke = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)
     ref_o, ref_h = hf["torch_recurrent_gated_delta_rule"](
         qe[:, None], ke[:, None], v[:, None], g[:, None], beta[:, None],
         initial_state=before[slots], output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -282,10 +286,13 @@ HK, HV, DK, DV, CW = 16, 48, 128, 128, 4
 CD = 2 * HK * DK + HV * DV
 
 
-def rel_err(out, ref):
-    """Norm-wise relative error over the last dim, worst row; bf16 rounding alone gives ~3e-3."""
-    out, ref = out.float(), ref.float()
-    return ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).max().item()
+def errs(out, ref):
+    """(global relative L2 error, worst row's error / median row norm), rows = last dim. A per-row
+    relative error is meaningless for rows that nearly cancel (seen: 60x below the median norm, where
+    a bf16-level error reads as 17%), so rows are scaled by the median. bf16 rounding alone ~3e-3."""
+    out, ref = out.float().flatten(0, -2), ref.float().flatten(0, -2)
+    d, n = (out - ref).norm(dim=-1), ref.norm(dim=-1)
+    return (d.norm() / n.norm()).item(), (d.max() / n.median()).item()
 
 
 @pytest.mark.gpu
@@ -319,10 +326,13 @@ def test_gpu_gdn_varlen():
     o = gated_delta_rule_varlen(q, k, v, g, beta, states, slots, cu)
     o_ref = gated_delta_rule_varlen_ref(q, k, v, g, beta, st_ref, slots, cu)
     # fla keeps the running state in fp32 but feeds bf16 copies of normalised q/k, chunk states and
-    # corrected values to its tensor-core matmuls: errors of a few bf16 ulps, not growing with length
+    # corrected values to its tensor-core matmuls: bf16-level error (seen on H200: o global 4.5e-3,
+    # worst row 2.4e-2 of the median norm; same at 1 and 8192 tokens, so no drift with length)
     assert o.dtype == torch.bfloat16 and states.dtype == torch.float32
-    assert rel_err(o, o_ref) < 3e-2
-    assert rel_err(states[slots], st_ref[slots]) < 2e-2
+    e_glob, e_row = errs(o, o_ref)
+    assert e_glob < 1e-2 and e_row < 5e-2, (e_glob, e_row)
+    e_glob, e_row = errs(states[slots], st_ref[slots])
+    assert e_glob < 1e-2 and e_row < 5e-2, (e_glob, e_row)
     assert untouched(states, st_ref, GPU_SLOTS)
 
 
@@ -334,7 +344,8 @@ def test_gpu_gdn_decode():
     o = gated_delta_rule_decode(q, k, v, g, beta, states, slots)
     o_ref = gated_delta_rule_decode_ref(q, k, v, g, beta, st_ref, slots)
     # one fp32 step from the same bf16 inputs: only summation order differs, then o rounds to bf16
-    assert rel_err(o, o_ref) < 1e-2
+    e_glob, e_row = errs(o, o_ref)
+    assert e_glob < 5e-3 and e_row < 1e-2, (e_glob, e_row)
     torch.testing.assert_close(states, st_ref, atol=1e-4, rtol=1e-4)
     assert untouched(states, st_ref, GPU_SLOTS)
 
@@ -352,7 +363,8 @@ def test_gpu_decode_cuda_graph():
     def step():
         y = causal_conv1d_decode(x, w, b, conv_states, slots)
         q, k, v = y.split([HK * DK, HK * DK, HV * DV], -1)
-        return gated_delta_rule_decode(q.view(N, HK, DK), k.view(N, HK, DK), v.view(N, HV, DV), g, beta, rec_states, slots)
+        q, k, v = q.view(N, HK, DK), k.view(N, HK, DK), v.view(N, HV, DV)
+        return gated_delta_rule_decode(q, k, v, g, beta, rec_states, slots)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -375,7 +387,8 @@ def test_gpu_decode_cuda_graph():
         o_ref = gated_delta_rule_decode_ref(q.view(N, HK, DK), k.view(N, HK, DK), v.view(N, HV, DV), g, beta,
                                             rec_ref, slots)
         assert torch.equal(conv_states, conv_ref)
-        assert rel_err(out, o_ref) < 1e-2
+        e_glob, e_row = errs(out, o_ref)
+        assert e_glob < 5e-3 and e_row < 1e-2, (e_glob, e_row)
         torch.testing.assert_close(rec_states, rec_ref, atol=1e-4, rtol=1e-4)
 
 
@@ -392,9 +405,13 @@ def test_gpu_prefill_then_decode():
     o_full = gated_delta_rule_varlen(q, k, v, g, beta, st_full, slots, cu_of(lens, "cuda"))
     pre = torch.cat([torch.arange(cu[n], cu[n] + p, device="cuda") for n, p in enumerate(prefix)])
     o_pre = gated_delta_rule_varlen(q[pre], k[pre], v[pre], g[pre], beta[pre], st, slots, cu_of(prefix, "cuda"))
-    assert rel_err(o_pre, o_full[pre]) < 2e-2
+    # both sides are fla at bf16 level (see test_gpu_gdn_varlen); the prefix run is the same kernel
+    e_glob, e_row = errs(o_pre, o_full[pre])
+    assert e_glob < 1e-2 and e_row < 5e-2, (e_glob, e_row)
     for t in range(steps):
         rows = torch.tensor([cu[n] + p + t for n, p in enumerate(prefix)], device="cuda")
         o_t = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], st, slots)
-        assert rel_err(o_t, o_full[rows]) < 2e-2
-    assert rel_err(st[slots], st_full[slots]) < 2e-2
+        e_glob, e_row = errs(o_t, o_full[rows])
+        assert e_glob < 1e-2 and e_row < 5e-2, (e_glob, e_row)
+    e_glob, e_row = errs(st[slots], st_full[slots])
+    assert e_glob < 1e-2 and e_row < 5e-2, (e_glob, e_row)

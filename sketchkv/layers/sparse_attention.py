@@ -47,7 +47,7 @@ class SparseAttention(Attention):
         return sparse_attention(q, self.k_cache, self.v_cache, ctx.block_tables, idx, counts, self.scale)
 
     def select(self, q: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> token positions [B, Hsel, S + k + R] sorted ascending (SENTINEL-padded) and counts [B, Hsel]."""
+        """-> token positions [B, Hsel, S + k + R] sorted ascending (SENTINEL-padded) and counts [B]."""
         c = self.cfg
         B = q.shape[0]
         max_len = ctx.block_tables.shape[1] * self.k_cache.shape[1] if ctx.graph else ctx.max_seq_len
@@ -68,5 +68,5 @@ class SparseAttention(Attention):
         H = picks.shape[1]
         idx = torch.cat([sinks.expand(B, H, -1), picks, recent.expand(B, H, -1)], dim=-1)
         idx = torch.sort(idx, dim=-1).values
-        counts = (idx < SENTINEL).sum(-1).to(torch.int32)
+        counts = (idx[:, 0] < SENTINEL).sum(-1).to(torch.int32)
         return idx.to(torch.int32), counts

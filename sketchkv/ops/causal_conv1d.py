@@ -3,8 +3,8 @@
 Token-major flat batch: x [T, D], sequence n is rows cu_seqlens[n]:cu_seqlens[n+1]; weight [D, W].
 Per-slot state is fla's layout [D, W]: the last W inputs of the sequence, oldest first, zero-padded
 on the left for sequences shorter than W. Only columns 1..W-1 feed the next output; column 0 is kept
-because fla's kernels read and write W columns, so the GPU path passes slots in without copies of
-the layout (same as transformers' Qwen3-Next cache, whose conv state also has W columns).
+because fla's kernels read and write W columns, so the GPU path needs no relayout (transformers'
+Qwen3-Next cache also keeps W columns).
 
 Fast path (CUDA): fla's Triton kernels. fla indexes states by batch row, not by slot, so we gather
 states[state_slots] in and scatter the result back (a few KB per sequence; graph-safe index ops).

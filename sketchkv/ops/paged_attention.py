@@ -4,11 +4,13 @@ Cache layout (fixed by the engine): k_cache / v_cache [num_blocks, block_size, H
 sequence b is at block block_tables[b, t // block_size], offset t % block_size. block_tables is
 [B, max_blocks] int32 padded with -1; seq_lens [B] int32 counts the cached tokens (current included).
 
-Kernel: split-K over the sequence. Grid (B, Hkv, num_splits); each program walks a contiguous range
+Kernel: split-K over the sequence. Grid (B, Hkv, max_splits); each program walks a contiguous range
 of BLOCK_N-token tiles of one (sequence, kv head), loads each K/V tile once for all G = Hq/Hkv query
-heads of the group, and writes a partial (normalised out, log-sum-exp). A second small kernel merges
-the splits. The split count is fixed by shapes only (never by seq_lens values) and each sequence
-divides its own length over the splits inside the kernel, so the launch is CUDA-graph capturable.
+heads of the group, and writes a partial (normalised out, log-sum-exp); a second small kernel merges
+the splits. How many splits a sequence uses is decided on the device from seq_lens (work-proportional:
+tokens per split = batch tokens / split_target, so a 128K sequence next to short ones gets most of the
+programs); unused programs exit at once. The grid and buffers depend on shapes only, so the launch is
+CUDA-graph capturable (no host sync, nothing sized by tensor values).
 """
 import os
 
@@ -54,32 +56,47 @@ def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
 if triton is not None:
 
     @triton.jit
+    def _split_plan(lens_ptr, b, B, max_splits, split_target,
+                    BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, MIN_TILES: tl.constexpr):
+        """(seq_len, splits used, tiles per split) of sequence b; the same in both kernels.
+        Tiles per split come from the whole batch's tile count so the splits over all sequences
+        number <= split_target + B (the host sizes that to one wave of programs)."""
+        offs = tl.arange(0, B_PAD)
+        lens = tl.load(lens_ptr + offs, mask=offs < B, other=0)
+        total = tl.sum((lens + BLOCK_N - 1) // BLOCK_N, 0)
+        seq_len = tl.load(lens_ptr + b)
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        per = tl.maximum(tl.cdiv(total, split_target), MIN_TILES)
+        n_used = tl.minimum(tl.cdiv(n_tiles, per), max_splits)
+        per = tl.cdiv(n_tiles, tl.maximum(n_used, 1))  # re-spread when capped by max_splits
+        return seq_len, tl.cdiv(n_tiles, tl.maximum(per, 1)), per
+
+    @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, mo_ptr, mlse_ptr,
-        qk_scale, num_splits,
+        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, mo_ptr, mlse_ptr, idx_ptr,
+        qk_scale, B, max_splits, split_target,
         stride_qb, stride_qh,
         stride_kn, stride_kt, stride_kh,
         stride_vn, stride_vt, stride_vh,
-        stride_btb,
+        stride_btb, stride_ib, stride_ih,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, MIN_TILES: tl.constexpr,
+        UPCAST: tl.constexpr, INDEXED: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
+        seq_len, n_used, per = _split_plan(lens_ptr, b, B, max_splits, split_target, BLOCK_N, B_PAD, MIN_TILES)
         Hq = tl.num_programs(1) * G
-        seq_len = tl.load(lens_ptr + b)
-        # this split's token range: the sequence's tiles divided evenly over num_splits
-        n_tiles = tl.cdiv(seq_len, BLOCK_N)
-        per = tl.cdiv(n_tiles, num_splits)
         t_lo = s * per * BLOCK_N
         t_hi = tl.minimum(t_lo + per * BLOCK_N, seq_len)
-
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
         heads = kvh * G + offs_g
-        gmask = offs_g < G
+        # programs past this sequence's split count get an empty token range; masks keep them from
+        # loading q or storing anything
+        gmask = (offs_g < G) & (s < n_used)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=gmask[:, None], other=0.0)
         if UPCAST:  # interpreter: numpy has no bf16 matmul
@@ -91,9 +108,13 @@ if triton is not None:
         for t0 in range(t_lo, t_hi, BLOCK_N):
             t = t0 + offs_n
             tmask = t < t_hi
+            if INDEXED:  # sparse decode: the t-th selected token's position, from the index list
+                pos = tl.load(idx_ptr + b * stride_ib + kvh * stride_ih + t, mask=tmask, other=0)
+            else:
+                pos = t
             # masked lanes never read the -1 padding of the block table
-            blk = tl.load(bt_ptr + b * stride_btb + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-            off = t % BLOCK_SIZE
+            blk = tl.load(bt_ptr + b * stride_btb + pos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+            off = pos % BLOCK_SIZE
             k = tl.load(k_ptr + (blk * stride_kn + off * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :],
                         mask=tmask[:, None], other=0.0)
             v = tl.load(v_ptr + (blk * stride_vn + off * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :],
@@ -110,37 +131,40 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-        # empty split (short sequence): out 0, lse -inf -> weight 0 in the merge
+        # a split is never empty by construction; guard anyway so it could only weigh 0
         nonempty = l_i > 0
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        row = (b * Hq + heads) * num_splits + s  # mid buffers are [B, Hq, num_splits(, D)] contiguous
+        row = (b * Hq + heads) * max_splits + s  # mid buffers are [B, Hq, max_splits(, D)] contiguous
         tl.store(mlse_ptr + row, lse, mask=gmask)
         tl.store(mo_ptr + row[:, None] * D + offs_d[None, :], o, mask=gmask[:, None])
 
     @triton.jit
     def _decode_reduce_kernel(
-        mo_ptr, mlse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-        D: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr,
+        mo_ptr, mlse_ptr, out_ptr, lens_ptr, B, max_splits, split_target, stride_ob, stride_oh,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, MIN_TILES: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
-        row = b * tl.num_programs(1) + h
-        offs_s = tl.arange(0, S_PAD)
-        lse = tl.load(mlse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty -> output 0
-        total = tl.sum(tl.exp2(lse - m), 0)
+        _, n_used, _ = _split_plan(lens_ptr, b, B, max_splits, split_target, BLOCK_N, B_PAD, MIN_TILES)
+        base = (b * tl.num_programs(1) + h) * max_splits
         offs_c = tl.arange(0, CHUNK)
         offs_d = tl.arange(0, D)
+        m = tl.full([CHUNK], float("-inf"), tl.float32)
+        for s0 in range(0, n_used, CHUNK):  # only the splits this sequence wrote
+            m = tl.maximum(m, tl.load(mlse_ptr + base + s0 + offs_c, mask=s0 + offs_c < n_used, other=float("-inf")))
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0: no splits -> output 0
+        total = tl.zeros([CHUNK], tl.float32)
         acc = tl.zeros([D], tl.float32)
-        for s0 in range(0, num_splits, CHUNK):  # chunked so S x D never sits in registers at once
-            sm = s0 + offs_c < num_splits
-            w = tl.exp2(tl.load(mlse_ptr + row * num_splits + s0 + offs_c, mask=sm, other=float("-inf")) - m)
-            o = tl.load(mo_ptr + (row * num_splits + s0 + offs_c)[:, None] * D + offs_d[None, :],
-                        mask=sm[:, None], other=0.0)
+        for s0 in range(0, n_used, CHUNK):  # chunked so splits x D never sit in registers at once
+            sm = s0 + offs_c < n_used
+            w = tl.exp2(tl.load(mlse_ptr + base + s0 + offs_c, mask=sm, other=float("-inf")) - m_max)
+            o = tl.load(mo_ptr + (base + s0 + offs_c)[:, None] * D + offs_d[None, :], mask=sm[:, None], other=0.0)
+            total += w
             acc += tl.sum(w[:, None] * o, 0)
-        out = acc / tl.maximum(total, 1e-30)
+        out = acc / tl.maximum(tl.sum(total, 0), 1e-30)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
     # triton picks interpreter vs compiler when the kernel is decorated, i.e. at import time
@@ -166,20 +190,25 @@ else:
 _NUM_SMS = {}
 
 
-def _default_num_splits(B, Hkv, capacity, device):
-    """Split count from shapes only, so a captured CUDA graph stays valid for any seq_lens."""
+def _wave(device):
+    """Programs that run at once: ~4 per SM for the default tiles (sm_90, D=256, BLOCK_N=32, 4 warps,
+    2 stages: ~118 registers x 128 threads and 42 KB shared per program). CPU: a small stand-in."""
     if device.type != "cuda":
-        return max(1, min(4, triton.cdiv(capacity, 64)))
+        return 16
     if device.index not in _NUM_SMS:
         _NUM_SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    # One wave of ~4 programs per SM (floor: a partial second wave nearly doubles the time, H200
-    # B=8 Hkv=4: 17 splits 1.42 ms vs 16 splits 0.97 ms), and >= ~1K tokens of capacity per split
-    # so the merge stays cheap for short contexts.
-    return max(1, min(4 * _NUM_SMS[device.index] // (B * Hkv), triton.cdiv(capacity, 1024), 256))
+    return 4 * _NUM_SMS[device.index]
 
 
-def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
-                                  num_splits=None, out=None, block_n=None, num_warps=4, num_stages=2):
+def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None,
+                                  max_splits=None, split_target=None, min_split_tokens=128,
+                                  block_n=None, num_warps=4, num_stages=2, indices=None):
+    """max_splits: most splits one sequence may use (the grid's 3rd dim). split_target: splits over
+    the whole batch per kv head, sized so all programs fit one wave (a partial second wave nearly
+    doubles the time). min_split_tokens: shorter splits cost more in the merge than they gain.
+    All three default from shapes only, so one captured graph serves any seq_lens.
+    indices: [B, 1 or Hkv, N] int32 token positions (sparse decode); then seq_lens[b] counts the
+    valid entries of row b and the kernel attends to exactly those tokens."""
     B, Hq, D = q.shape
     _, block_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0
@@ -187,40 +216,50 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
-    assert block_tables.stride(-1) == 1 and seq_lens.is_contiguous()
+    assert block_tables.stride(-1) == 1 and seq_lens.is_contiguous() and seq_lens.shape == (B,)
     G = Hq // Hkv
     if block_n is None:
         block_n = 32 if D > 128 else 64  # bounds registers for the K and V tiles
-    if num_splits is None:
-        num_splits = _default_num_splits(B, Hkv, block_tables.shape[1] * block_size, q.device)
-    mid_o = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    min_tiles = triton.cdiv(min_split_tokens, block_n)
+    wave = _wave(q.device) // Hkv  # splits per kv head that fit one wave
+    capacity = indices.shape[-1] if indices is not None else block_tables.shape[1] * block_size
+    if max_splits is None:
+        max_splits = max(1, min(wave, triton.cdiv(capacity, min_tiles * block_n)))
+    if split_target is None:
+        split_target = max(1, wave - B)  # sum_b ceil(tiles_b / per) <= split_target + B
+    mid_o = torch.empty(B, Hq, max_splits, D, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(B, Hq, max_splits, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
-    _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
-        scale * 1.4426950408889634, num_splits,
+    B_PAD = triton.next_power_of_2(B)
+    if indices is not None:
+        assert indices.dtype == torch.int32 and indices.stride(-1) == 1 and indices.shape[1] in (1, Hkv)
+    idx = indices if indices is not None else seq_lens  # dummy pointer when dense
+    stride_ib = indices.stride(0) if indices is not None else 0
+    stride_ih = indices.stride(1) if indices is not None and indices.shape[1] > 1 else 0
+    _decode_split_kernel[(B, Hkv, max_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, idx,
+        scale * 1.4426950408889634, B, max_splits, split_target,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), stride_ib, stride_ih,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, UPCAST=_INTERPRETED,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, B_PAD=B_PAD, MIN_TILES=min_tiles, UPCAST=_INTERPRETED,
+        INDEXED=indices is not None, num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(B, Hq)](
-        mid_o, mid_lse, out, num_splits, out.stride(0), out.stride(1),
-        D=D, S_PAD=triton.next_power_of_2(num_splits), CHUNK=min(16, triton.next_power_of_2(num_splits)),
-        num_warps=4,
+        mid_o, mid_lse, out, seq_lens, B, max_splits, split_target, out.stride(0), out.stride(1),
+        D=D, BLOCK_N=block_n, B_PAD=B_PAD, MIN_TILES=min_tiles, CHUNK=16, num_warps=4,
     )
     return out
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, num_splits=None, out=None):
-    """Decode attention, q [B, Hq, D] -> [B, Hq, D]. Triton on CUDA or under TRITON_INTERPRET=1."""
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, **kw):
+    """Decode attention, q [B, Hq, D] -> [B, Hq, D]. Triton on CUDA or under TRITON_INTERPRET=1
+    (kw: the kernel's tuning knobs, see paged_attention_decode_triton); the reference otherwise."""
     if q.is_cuda or (_INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"):
-        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                             num_splits=num_splits, out=out)
+        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, **kw)
     res = paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return res if out is None else out.copy_(res)

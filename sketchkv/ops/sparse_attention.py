@@ -1,7 +1,9 @@
 """Exact attention over a selected set of cached tokens (sparse decode).
 
-indices [B, Hsel, N] int32: token positions, ascending, padded at the end (only the first
-counts[b, h] entries are read); Hsel = 1 when all KV heads share one pick, else Hkv. The Triton
+indices [B, Hsel, N] int32: token positions, ascending, padded at the end; only the first
+counts[b] entries of each row are read (every head of a sequence selects the same number of
+tokens: the masked positions do not depend on the head). Hsel = 1 when all KV heads share one
+pick, else Hkv. The Triton
 path is the paged flash-decoding kernel in its indexed mode: each tile's rows come from the index
 list instead of a contiguous range, so the dense and sparse paths share one kernel.
 """
@@ -21,7 +23,7 @@ def sparse_attention_ref(q, k_cache, v_cache, block_tables, indices, counts, sca
     for b in range(B):
         for h in range(Hkv):
             hs = h if indices.shape[1] > 1 else 0
-            pos = indices[b, hs, : int(counts[b, hs])].long()
+            pos = indices[b, hs, : int(counts[b])].long()
             if pos.numel() == 0:
                 continue
             blk = block_tables[b].long()[pos // bs]
@@ -35,6 +37,5 @@ def sparse_attention_ref(q, k_cache, v_cache, block_tables, indices, counts, sca
 
 def sparse_attention(q, k_cache, v_cache, block_tables, indices, counts, scale):
     if pa.triton is not None and (q.is_cuda or (pa._INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1")):
-        return pa.paged_attention_decode_triton(q, k_cache, v_cache, block_tables, counts[:, 0].contiguous(),
-                                                scale, indices=indices, counts=counts)
+        return pa.paged_attention_decode_triton(q, k_cache, v_cache, block_tables, counts, scale, indices=indices)
     return sparse_attention_ref(q, k_cache, v_cache, block_tables, indices, counts, scale)

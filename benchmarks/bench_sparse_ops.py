@@ -1,0 +1,118 @@
+"""Sparse-decode kernels at real sizes on a GPU, each against its bytes-moved floor (HBM copy
+bandwidth measured in the same run) and against dense paged attention over the whole context.
+
+    python benchmarks/bench_sparse_ops.py --out benchmarks/results/sparse-ops.json
+
+Shape: Qwen3.5-27B full-attention layer (24 query / 4 KV heads x 256), rank-64 int4 sketch,
+batch 8 x 250K tokens, top_k 2048 + 64 sinks + 1024 recent, block size 64.
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, ".")
+from sketchkv.ops.paged_attention import paged_attention_decode  # noqa: E402
+from sketchkv.ops.sketch import quantize_int4, sketch_score, sketch_score_ref  # noqa: E402
+from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref  # noqa: E402
+from sketchkv.ops.topk import topk, topk_ref  # noqa: E402
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def copy_bw() -> float:
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    return 2 * a.numel() / bench(lambda: b.copy_(a))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=250_000)
+    p.add_argument("--top-k", type=int, default=2048)
+    p.add_argument("--sinks", type=int, default=64)
+    p.add_argument("--recent", type=int, default=1024)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--out", default="benchmarks/results/sparse-ops.json")
+    a = p.parse_args()
+    B, L, Hq, Hkv, D, r, bs = a.batch, a.context, 24, 4, 256, a.rank, 64
+    torch.manual_seed(0)
+    bw = copy_bw()
+    nblk = B * triton.cdiv(L, bs) + 1
+    tables = (torch.randperm(nblk - 1, device="cuda")[: B * triton.cdiv(L, bs)] + 1).int().view(B, -1)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    kc = torch.randn(nblk, bs, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    sk, sc = quantize_int4(torch.randn(nblk, bs, Hkv, r, device="cuda"))
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    qp = torch.randn(B, Hkv, r, device="cuda")
+    max_len = tables.shape[1] * bs
+    rows = {}
+
+    # correctness at full size (fresh random inputs), against the references
+    s = sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len)
+    s_ref = sketch_score_ref(qp[:1], sk, sc, tables[:1], lens[:1], a.sinks, a.recent, max_len)
+    fin = torch.isfinite(s_ref)
+    rows["sketch_score_max_abs_err"] = (s[:1][fin] - s_ref[fin]).abs().max().item()
+    vals, picks = topk(s, a.top_k)
+    rv, rp = topk_ref(s, a.top_k)
+    rows["topk_equal_reference"] = bool(torch.equal(picks, rp))
+    n = lens.long()[:, None, None]
+    sinks = torch.arange(a.sinks, device="cuda").expand(B, 1, -1)
+    recent = (n - a.recent + torch.arange(a.recent, device="cuda")).expand(B, 1, -1)
+    idx = torch.sort(torch.cat([sinks, picks, recent], -1), -1).values.int()
+    counts = torch.full((B,), idx.shape[-1], dtype=torch.int32, device="cuda")
+    out = sparse_attention(q, kc, vc, tables, idx, counts, D ** -0.5)
+    ref = sparse_attention_ref(q[:2], kc, vc, tables[:2], idx[:2], counts[:2], D ** -0.5)
+    rows["sparse_attention_rel_err"] = ((out[:2].float() - ref.float()).norm() / ref.float().norm()).item()
+
+    t_score = bench(lambda: sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len))
+    score_bytes = B * L * Hkv * (r // 2 + 2) + B * max_len * 4
+    t_topk = bench(lambda: topk(s, a.top_k))
+    t_attn = bench(lambda: sparse_attention(q, kc, vc, tables, idx, counts, D ** -0.5))
+    attn_bytes = B * idx.shape[-1] * Hkv * D * 2 * 2
+    t_dense = bench(lambda: paged_attention_decode(q, kc, vc, tables, lens, D ** -0.5))
+    dense_bytes = B * L * Hkv * D * 2 * 2
+
+    def step():
+        sc_ = sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len)
+        v_, p_ = topk(sc_, a.top_k)
+        i_ = torch.sort(torch.cat([sinks, p_, recent], -1), -1).values.int()
+        return sparse_attention(q, kc, vc, tables, i_, counts, D ** -0.5)
+    t_step = bench(step)
+    rows.update(dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device=torch.cuda.get_device_name(),
+        command=" ".join(sys.argv), shape=dict(batch=B, context=L, Hq=Hq, Hkv=Hkv, D=D, rank=r, block=bs,
+                                               top_k=a.top_k, sinks=a.sinks, recent=a.recent),
+        hbm_copy_GBps=bw / 1e9,
+        sketch_score_us=t_score * 1e6, sketch_score_GBps=score_bytes / t_score / 1e9,
+        sketch_score_fraction_of_copy=score_bytes / t_score / bw,
+        topk_us=t_topk * 1e6, topk_all_layers_ms=t_topk * a.layers * 1e3,
+        sparse_attention_us=t_attn * 1e6, sparse_attention_floor_us=attn_bytes / bw * 1e6,
+        dense_attention_us=t_dense * 1e6, dense_attention_floor_us=dense_bytes / bw * 1e6,
+        select_plus_attention_us=t_step * 1e6,
+        select_plus_attention_floor_us=(score_bytes + attn_bytes) / bw * 1e6,
+        speedup_vs_dense=t_dense / t_step))
+    json.dump(rows, open(a.out, "w"), indent=1)
+    print(f"\nHBM copy {bw/1e9:.0f} GB/s; B={B} x {L} tokens, rank {r}, top-k {a.top_k}")
+    print("| kernel (one layer) | time | floor | fraction |")
+    print("|---|---|---|---|")
+    print(f"| sketch score | {t_score*1e6:.0f} us | {score_bytes/bw*1e6:.0f} us | {score_bytes/bw/t_score:.0%} |")
+    print(f"| top-k (x{a.layers} layers: {t_topk*a.layers*1e3:.2f} ms) | {t_topk*1e6:.0f} us | | |")
+    print(f"| sparse attention | {t_attn*1e6:.0f} us | {attn_bytes/bw*1e6:.0f} us | {attn_bytes/bw/t_attn:.0%} |")
+    print(f"| select + attention | {t_step*1e6:.0f} us | {(score_bytes+attn_bytes)/bw*1e6:.0f} us | "
+          f"{(score_bytes+attn_bytes)/bw/t_step:.0%} |")
+    print(f"| dense paged attention | {t_dense*1e6:.0f} us | {dense_bytes/bw*1e6:.0f} us | {dense_bytes/bw/t_dense:.0%} |")
+    print(f"errors: score {rows['sketch_score_max_abs_err']:.2e}, topk==ref {rows['topk_equal_reference']}, "
+          f"attn rel {rows['sparse_attention_rel_err']:.2e}")
+
+
+if __name__ == "__main__":
+    main()
