@@ -59,6 +59,18 @@ def decode_floor_bytes(llm: LLM, batch: int, ctx: int) -> dict:
     return {"weights": weights, "kv": kv, "gdn_state": state, "total": weights + kv + state}
 
 
+def sparse_floor_bytes(llm: LLM, batch: int, ctx: int, dense: dict) -> dict:
+    """Sparse step: the sketch of every token plus only the selected K/V rows, instead of all K/V."""
+    r, c, sp = llm.engine.runner, llm.engine.model_config, llm.engine.cfg.sparse
+    layers = len(r.sparse_layers)
+    sketch = batch * ctx * layers * c.num_kv_heads * (r.sparse_layers[0].rank // 2 + 2)
+    rows = min(ctx, sp.sink_tokens + sp.top_k + sp.recent_tokens)
+    kv = batch * rows * 2 * layers * c.num_kv_heads * c.head_dim * r.dtype.itemsize
+    out = dict(dense, kv=kv, sketch=sketch)
+    out["total"] = out["weights"] + kv + sketch + out["gdn_state"]
+    return out
+
+
 def fill_sequences(llm: LLM, batch: int, ctx: int, steps: int):
     """Put `batch` sequences of `ctx` tokens in the running set with random KV and GDN state."""
     eng = llm.engine
@@ -66,6 +78,9 @@ def fill_sequences(llm: LLM, batch: int, ctx: int, steps: int):
     for m in eng.runner.attn_layers:
         m.k_cache.normal_(0, 1, generator=g)
         m.v_cache.normal_(0, 1, generator=g)
+    for m in eng.runner.sparse_layers:
+        m.sketch.random_(0, 256, generator=g)
+        m.sketch_scale.uniform_(0.01, 0.1, generator=g)
     for m in eng.runner.gdn_layers:
         m.conv_state.normal_(0, 0.1, generator=g)
         m.ssm_state.normal_(0, 0.01, generator=g)
@@ -106,22 +121,28 @@ def bench_sketchkv(args, bw: float) -> list[dict]:
     max_ctx = max(args.contexts)
     max_b = max(args.batches)
     blocks = max_b * math.ceil((max_ctx + 512) / 64) + 1
-    for eager in ([False, True] if args.eager_too else [False]):
+    modes = [("dense", False)] + ([("dense", True)] if args.eager_too else []) + \
+        ([("sparse", False)] if args.sparse else [])
+    for mode, eager in modes:
         llm = LLM(f"random:{args.preset}", max_num_seqs=max_b, max_model_len=max_ctx + 512,
-                  num_kv_blocks=blocks, max_num_batched_tokens=args.prefill_chunk, enforce_eager=eager)
+                  num_kv_blocks=blocks, max_num_batched_tokens=args.prefill_chunk, enforce_eager=eager,
+                  sparse=mode == "sparse")
         for ctx in args.contexts:
             for b in args.batches:
                 fill_sequences(llm, b, ctx, args.steps + 8)
                 dt = time_decode(llm, args.steps)
                 fb = decode_floor_bytes(llm, b, ctx)
                 floor = fb["total"] / bw
-                rows.append(dict(engine="sketchkv", graphs=not eager, phase="decode", context=ctx, batch=b,
+                if mode == "sparse":
+                    fb = sparse_floor_bytes(llm, b, ctx, fb)
+                    floor = fb["total"] / bw
+                rows.append(dict(engine="sketchkv", mode=mode, graphs=not eager, phase="decode", context=ctx, batch=b,
                                  step_ms=dt * 1e3, tok_s=b / dt, floor_ms=floor * 1e3,
                                  floor_fraction=floor / dt, bytes=fb))
-                print(f"sketchkv {'eager' if eager else 'graphs'} decode ctx={ctx} b={b}: {dt*1e3:.2f} ms/step "
+                print(f"sketchkv {mode} {'eager' if eager else 'graphs'} decode ctx={ctx} b={b}: {dt*1e3:.2f} ms/step "
                       f"{b/dt:.1f} tok/s, floor {floor*1e3:.2f} ms ({floor/dt:.0%})", flush=True)
                 clear(llm)
-        if not eager:
+        if not eager and mode == "dense":
             for ctx in args.prefill_contexts:
                 ids = torch.randint(0, llm.engine.model_config.vocab_size, (ctx,)).tolist()
                 sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -195,6 +216,7 @@ def main():
     p.add_argument("--prefill-chunk", type=int, default=16384)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--eager-too", action="store_true", help="also time decode without CUDA graphs")
+    p.add_argument("--sparse", action="store_true", help="also time sparse decode (random basis: speed only)")
     p.add_argument("--hf", action="store_true", help="also run transformers on the same config")
     p.add_argument("--hf-contexts", type=int, nargs="*", default=[8192, 131072])
     p.add_argument("--hf-batches", type=int, nargs="*", default=[1])
@@ -221,7 +243,7 @@ def main():
             continue
         t = f"{r['step_ms']:.2f} ms" if r["phase"] == "decode" else f"{r['seconds']:.2f} s"
         ff = f"{r['floor_fraction']:.0%}" if "floor_fraction" in r else ""
-        tag = r["engine"] + ("" if r.get("graphs", True) else " (eager)")
+        tag = r["engine"] + (f" {r['mode']}" if "mode" in r else "") + ("" if r.get("graphs", True) else " (eager)")
         print(f"| {tag} | {r['phase']} | {r['context']} | {r['batch']} | {t} | {r['tok_s']:.1f} | {ff} |")
 
 

@@ -449,6 +449,10 @@ def make_registry(rng: random.Random, n: int, constants: bool = False, key_style
 # ----------------------------------------------------------------------------------------------------------
 # Training batches
 # ----------------------------------------------------------------------------------------------------------
+class _DoesNotFit(Exception):
+    pass
+
+
 class BatchBuilder:
     """Deterministic (seed, step) -> batch of token rows and answer masks.
 
@@ -494,15 +498,24 @@ class BatchBuilder:
         return ids, ans, n_syn
 
     def synthetic_row(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-        prng = random.Random(int(rng.integers(0, 2**62)))
+        seed = int(rng.integers(0, 2**62))
+        for shrink in (1.0, 0.5, 0.25, 0.1):  # short rows: fewer / smaller snippets until they fit
+            try:
+                return self._synthetic_row(rng, n, random.Random(seed), shrink)
+            except _DoesNotFit:
+                continue
+        return self._window(rng, n), np.zeros(n, dtype=bool)
+
+    def _synthetic_row(self, rng: np.random.Generator, n: int, prng: random.Random,
+                       shrink: float) -> tuple[np.ndarray, np.ndarray]:
         pieces: list[tuple[float, str, list[tuple[int, int]] | None]] = []  # (position in [0,1], text, answer spans)
         func_pieces: list[tuple[float, int, bool]] = []  # (position, pool index, is_second_copy)
-        scale = n / 16384
-        max_entries = max(4, int(64 * min(scale, 1.0)))
-        n_reg = prng.randint(1, 3)
+        scale = n / 16384 * shrink
+        max_entries = max(2, int(64 * min(scale, 1.0)))
+        n_reg = prng.randint(1, 3) if scale >= 0.125 else 1
         regs = []
         for _ in range(n_reg):
-            reg = make_registry(prng, prng.randint(4, max_entries), constants=prng.random() < 0.3)
+            reg = make_registry(prng, prng.randint(min(4, max_entries), max_entries), constants=prng.random() < 0.3)
             pos = prng.uniform(0.0, 0.15)
             regs.append((reg, pos))
             pieces.append((pos, reg.definition(), None))
@@ -510,7 +523,7 @@ class BatchBuilder:
         # the same key would be a shorter path), then again
         entries = [(ri, ei) for ri, (reg, _) in enumerate(regs) for ei in range(len(reg.entries))]
         prng.shuffle(entries)
-        n_look = max(4, int(prng.randint(32, 160) * min(scale, 2.0)))
+        n_look = max(2, int(prng.randint(32, 160) * min(scale, 2.0)))
         for li in range(n_look + 1):
             ri, ei = entries[li % len(entries)]
             reg, rpos = regs[ri]
@@ -560,8 +573,8 @@ class BatchBuilder:
             i = cand[int(rng.integers(0, len(cand)))]
             total -= len(snippets[i][1])
             snippets.pop(i)
-        if total > n - 8:
-            raise ValueError(f"synthetic snippets ({total} tokens) do not fit a row of {n} tokens")
+        if total > n // 2:
+            raise _DoesNotFit
         need = n - total
         extra = min(1024, max(16, need // 4))
         win = self._window(rng, need + extra).astype(np.int64)

@@ -48,7 +48,7 @@ FROZEN_ARGS = ("corpus_root", "heldout", "packages", "corpus_mb", "max_file_kb",
                "rope_theta", "linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim",
                "max_positions", "seq_len", "batch_size", "long_seq_len", "long_every", "synth_frac",
                "answer_weight", "mtp_weight", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip",
-               "beta2", "seed", "copy_pool", "total_minutes")
+               "beta2", "seed", "copy_pool")
 
 
 def log(msg: str) -> None:
@@ -98,7 +98,7 @@ def parse_args(argv=None):
     g.add_argument("--long-seq-len", type=int, default=65536,
                    help="every --long-every-th step trains on rows of this length (same tokens per step)")
     g.add_argument("--long-every", type=int, default=4, help="0 disables long steps")
-    g.add_argument("--synth-frac", type=float, default=0.25, help="share of rows that are synthetic retrieval rows")
+    g.add_argument("--synth-frac", type=float, default=0.3, help="share of rows that are synthetic retrieval rows")
     g.add_argument("--answer-weight", type=float, default=0.2,
                    help="extra loss weight: mean CE over retrieval-answer tokens (asserted values, copied bodies)")
     g.add_argument("--mtp-weight", type=float, default=0.3)
@@ -111,7 +111,9 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--minutes", type=float, default=8.0, help="training-loop budget of this command (minutes)")
     g.add_argument("--total-minutes", type=float, default=None,
-                   help="training budget over all commands of this run (LR schedule); default: --minutes")
+                   help="when the run is split over several commands: training minutes of all of them together, "
+                        "for the LR schedule of this one (default: this command is the last one, the LR reaches its "
+                        "minimum when this command's budget is spent)")
     g.add_argument("--wall-minutes", type=float, default=9.0,
                    help="hard cap for this whole process: training stops early enough to save (and evaluate)")
     g.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (tests)")
@@ -136,10 +138,7 @@ def parse_args(argv=None):
                         "compare with the teacher-forced verdict")
     g.add_argument("--eval-reserve-minutes", type=float, default=2.5,
                    help="wall time kept for the evaluation after training (within --wall-minutes)")
-    args = p.parse_args(argv)
-    if args.total_minutes is None:
-        args.total_minutes = args.minutes
-    return args
+    return p.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -641,7 +640,7 @@ def train(args) -> int:
         with open(os.path.join(args.resume, "trainer_state.json")) as f:
             prev = json.load(f)
         for k in FROZEN_ARGS:
-            if k in prev["args"] and not (k == "total_minutes" and "--total-minutes" in " ".join(sys.argv)):
+            if k in prev["args"]:
                 setattr(args, k, prev["args"][k])
         log(f"resuming {args.resume} at step {prev['step']} (run {prev['run_id']})")
     device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
@@ -757,11 +756,15 @@ def train(args) -> int:
     t_train0 = time.time()
     reserve = 15.0 + (args.eval_reserve_minutes * 60 if args.eval else 0.0)
     stop_at = min(t_train0 + args.minutes * 60, t_proc + args.wall_minutes * 60 - reserve)
-    total_left_after = lambda: max(0.0, args.total_minutes * 60 - used_train_s - (stop_at - t_train0))  # noqa: E731
+    def total_left_after():  # training seconds planned for later commands of this run
+        if args.total_minutes is None:
+            return 0.0
+        return max(0.0, args.total_minutes * 60 - used_train_s - (stop_at - t_train0))
     log(f"training: {B}x{L} tokens/step" + (f", 1 step in {args.long_every}: {long_rows}x{args.long_seq_len}"
                                             if use_long else "") +
         f"; budget this command {max(0, stop_at - t_train0) / 60:.2f} min (of --minutes {args.minutes:g}, wall cap "
-        f"{args.wall_minutes:g}), whole run {args.total_minutes:g} min, {used_train_s / 60:.2f} used before")
+        f"{args.wall_minutes:g}); " + (f"whole run {args.total_minutes:g} min, " if args.total_minutes else
+                                        "LR schedule ends with this command, ") + f"{used_train_s / 60:.2f} min used before")
     step_times: list[float] = []
     acc = {"lm": 0.0, "mtp": 0.0, "ans": 0.0, "n": 0, "ans_n": 0, "tok": 0, "t": time.time(), "syn": 0, "rows": 0}
     first_step_s = None

@@ -49,6 +49,29 @@ def _fit_basis(args) -> None:
           f"mean explained variance {mean_ev:.3f}")
 
 
+def _serve(args) -> None:
+    import logging
+
+    import uvicorn
+
+    from sketchkv.config import build_config
+    from sketchkv.server.app import create_app
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(build_config(args, model=args.model), args.served_model_name, args.api_key,
+                     args.max_request_bytes)
+    server = app.state.server
+    logging.getLogger("sketchkv.server").info("loading %s", args.model)
+    server.startup()  # load before binding: a bad model directory is a one-line error, not a traceback
+    logging.getLogger("sketchkv.server").info("serving %r (max_model_len %s) on http://%s:%d/v1", server.name,
+                                              server.engine.max_model_len, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+                    log_config=None, timeout_graceful_shutdown=5)
+    finally:
+        server.engine.shutdown()
+
+
 DEFAULT_PROMPT = "import torch\nfrom torch import nn\n\n\nclass"
 
 
@@ -80,6 +103,21 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--dtype", default=None)
     f.add_argument("--device", default=None)
     f.set_defaults(func=_fit_basis)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    s.add_argument("model", nargs="?", default=default_model(),
+                   help="Hugging Face model directory (default: the bundled reference model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: the model directory's name)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SKETCHKV_API_KEY; unset: none)")
+    s.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
+                   help="largest request body accepted; larger -> 413 (default: 32 MiB)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+    add_dataclass_args(s)
+    s.set_defaults(func=_serve)
     return p
 
 

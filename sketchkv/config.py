@@ -17,6 +17,9 @@ class CacheConfig:
     num_kv_blocks: int | None = field(default=None, metadata={"help": "None: size from memory (GPU) or from max_model_len x max_num_seqs (CPU)"})
     gpu_memory_utilization: float = field(default=0.90, metadata={"help": "fraction of GPU memory the engine may use in total"})
     cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "KV budget on CPU"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "share KV blocks (and GDN state snapshots) across requests with a common prefix"})
+    snapshot_interval_blocks: int = field(default=256, metadata={"help": "hybrid models: save GDN state every N blocks (and at each prompt's last block boundary)"})
+    state_cache_gb: float = field(default=8.0, metadata={"help": "host RAM for GDN state snapshots (LRU)"})
 
 
 @dataclass
@@ -53,12 +56,13 @@ FLAT_SECTIONS = ("cache", "scheduler", "sparse")
 
 
 def flat_fields(cfg_cls=EngineConfig):
-    """(name, section-or-None, field) for every knob, sections flattened."""
+    """(flat name, section-or-None, field) for every knob, sections flattened. Sparse knobs carry a
+    `sparse_` prefix (--sparse-top-k, SKETCHKV_SPARSE_TOP_K) so they never clash with sampling flags."""
     for f in fields(cfg_cls):
         if f.name in FLAT_SECTIONS:
-            sub = f.default_factory
-            for g in fields(sub):
-                yield g.name, f.name, g
+            prefix = "sparse_" if f.name == "sparse" else ""
+            for g in fields(f.default_factory):
+                yield (g.name if g.name == "sparse" or g.name.startswith(prefix) else prefix + g.name), f.name, g
         else:
             yield f.name, None, f
 
@@ -80,7 +84,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, skip=("model",)) -> None
             continue
         flag = "--" + name.replace("_", "-")
         if "bool" in str(f.type):
-            parser.add_argument(flag, action="store_true", default=None, help=_help(name, f))
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_help(name, f))
         else:
             parser.add_argument(flag, default=None, help=_help(name, f))
 
@@ -108,7 +112,7 @@ def build_config(args: argparse.Namespace | None = None, **overrides) -> EngineC
             value = overrides.pop(name)
         if value is not None:
             target = getattr(cfg, section) if section else cfg
-            setattr(target, name, value)
+            setattr(target, f.name, value)
     if overrides:
         raise TypeError(f"unknown engine option(s): {', '.join(overrides)}")
     return cfg

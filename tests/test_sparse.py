@@ -148,7 +148,7 @@ def test_basis_roundtrip_and_mismatch(ckpt_with_basis, tiny_checkpoint):
     with pytest.raises(CheckpointError, match="key basis file not found"):
         LLM(other_path, device="cpu", sparse=True)
     with pytest.raises(CheckpointError, match="fitted for another model"):
-        LLM(other_path, device="cpu", sparse=True, basis=path)
+        LLM(other_path, device="cpu", sparse=True, sparse_basis=path)
 
 
 def test_topk_ge_context_equals_dense(ckpt_with_basis):

@@ -65,7 +65,10 @@ class LLMEngine:
                                self.model_config.max_position_embeddings)
         self.runner = ModelRunner(cfg, self.model_config, self.model, self.device, self.dtype)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size)
-        self.scheduler = Scheduler(sc, self.blocks, sc.max_num_seqs)
+        cc = cfg.cache
+        self.scheduler = Scheduler(sc, self.blocks, sc.max_num_seqs, prefix_caching=cc.enable_prefix_caching,
+                                   states=self.runner.state_cache,
+                                   snapshot_interval=cc.snapshot_interval_blocks * cc.block_size)
         self.rng = torch.Generator(device=self.device)
         self.rng.manual_seed(cfg.seed)
         self.requests: dict[str, Sequence] = {}
@@ -125,7 +128,12 @@ class LLMEngine:
             return []
         out = self.runner.run(batch)
         self.scheduler.after_step(batch)
+        for seq, _ in batch:  # the slot now holds the state after exactly num_cached tokens
+            if self.scheduler.snapshot_point(seq, seq.num_cached):
+                self.runner.state_cache.save(seq.block_hashes[-1], self.runner.slot_states(seq.state_slot))
         self.stats["steps"] += 1
+        self.stats["prefix_cache_queries"] = self.scheduler.prefix_queries
+        self.stats["prefix_cache_hits"] = self.scheduler.prefix_hits
         done = [seq for seq, n in batch if seq.num_cached == len(seq)]
         outputs = []
         for i, seq in enumerate(done):

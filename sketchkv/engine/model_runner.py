@@ -10,6 +10,7 @@ from sketchkv.engine.sequence import Sequence
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.gated_deltanet import GatedDeltaNet
 from sketchkv.layers.sampler import SampleOutput, sample
+from sketchkv.kv.state_cache import StateCache
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.models.model_config import ModelConfig
 
@@ -31,12 +32,14 @@ class ModelRunner:
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
         self.gdn_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (sparse family, batch bucket)
+        self.state_cache = StateCache(int(cfg.cache.state_cache_gb * 2**30), pin=device.type == "cuda") \
+            if self.gdn_layers and cfg.cache.enable_prefix_caching else None
         self.num_state_slots = cfg.scheduler.max_num_seqs + 1  # last slot: scratch for graph padding
         self.scratch_slot = self.num_state_slots - 1
         self._allocate_states()
         self.num_blocks = cfg.cache.num_kv_blocks or self._blocks_from_budget()
         self._allocate_kv(self.num_blocks)
-        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (sparse family, batch bucket)
         if device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs()
 
@@ -148,12 +151,21 @@ class ModelRunner:
         return t(ids, torch.int64), t(pos, torch.int64), ctx
 
     def _zero_fresh_slots(self, batch) -> None:
+        """A new sequence starts from zero state, or from a prefix-cache snapshot."""
         fresh = [seq.state_slot for seq, _ in batch if seq.num_cached == 0]
         if fresh:
             idx = torch.tensor(fresh, device=self.device)
             for m in self.gdn_layers:
                 m.conv_state.index_fill_(0, idx, 0)
                 m.ssm_state.index_fill_(0, idx, 0)
+        for seq, _ in batch:
+            if seq.restore_hash is not None:
+                self.state_cache.restore(seq.restore_hash, self.slot_states(seq.state_slot))
+                seq.restore_hash = None
+
+    def slot_states(self, slot: int) -> list[torch.Tensor]:
+        """Views of one slot's state in every GDN layer (conv, recurrent, conv, ...)."""
+        return [t for m in self.gdn_layers for t in (m.conv_state[slot], m.ssm_state[slot])]
 
     # ---- forward -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -11,12 +11,19 @@ from collections import deque
 from sketchkv.config import SchedulerConfig
 from sketchkv.engine.sequence import Sequence, Status
 from sketchkv.kv.block_manager import BlockManager
+from sketchkv.kv.state_cache import StateCache
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, num_state_slots: int):
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, num_state_slots: int,
+                 prefix_caching: bool = False, states: StateCache | None = None, snapshot_interval: int = 0):
+        """states: GDN snapshots (hybrid models; None for dense models, whose KV alone is the state).
+        snapshot_interval: tokens between GDN snapshots (a multiple of the block size; 0 = only at
+        each prompt's last block boundary)."""
         self.cfg = cfg
         self.blocks = blocks
+        self.prefix_caching, self.states, self.snapshot_interval = prefix_caching, states, snapshot_interval
+        self.prefix_queries = self.prefix_hits = 0
         self.free_slots = deque(range(num_state_slots))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # prompt fully cached; decoding
@@ -54,7 +61,9 @@ class Scheduler:
                 if in_flight >= self.cfg.max_num_seqs or not self.free_slots:
                     break
                 seq.state_slot = self.free_slots.popleft()
-            n = min(seq.num_uncached, budget)
+                if self.prefix_caching and not seq.block_table:
+                    self._reuse_prefix(seq)
+            n = self._chunk(seq, budget)
             if not self.blocks.can_grow(seq, seq.num_cached + n):
                 if seq.num_cached == 0 and not seq.block_table:
                     self.free_slots.appendleft(seq.state_slot)
@@ -66,10 +75,46 @@ class Scheduler:
             in_flight += 1
         return batch
 
+    # ---- prefix cache --------------------------------------------------------------------------
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start from the longest cached prefix (leaving >= 1 token to compute for the logits). On a
+        hybrid model only up to a boundary whose GDN state was saved."""
+        matched = self.blocks.match(seq.token_ids[:len(seq) - 1])
+        if self.states is not None:
+            while matched and matched[-1][1] not in self.states:
+                matched.pop()
+        first = seq.num_prompt_cached == 0 and seq.first_token_time is None
+        if matched:
+            self.blocks.share(seq, matched)
+            seq.restore_hash = matched[-1][1] if self.states is not None else None
+        if first:
+            seq.num_prompt_cached = seq.num_cached
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += seq.num_cached
+
+    def snapshot_point(self, seq: Sequence, pos: int) -> bool:
+        """Is the GDN state after `pos` tokens one to save?"""
+        if self.states is None or not self.prefix_caching or pos == 0 or pos % self.blocks.block_size:
+            return False
+        last_prompt_boundary = seq.num_prompt_tokens // self.blocks.block_size * self.blocks.block_size
+        return pos == last_prompt_boundary or (self.snapshot_interval > 0 and pos % self.snapshot_interval == 0)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Prefill chunk size; on hybrid models a chunk stops at the next snapshot point."""
+        n = min(seq.num_uncached, budget)
+        if self.states is not None and self.prefix_caching:
+            bs = self.blocks.block_size
+            for pos in range((seq.num_cached // bs + 1) * bs, seq.num_cached + n, bs):
+                if self.snapshot_point(seq, pos):
+                    return pos - seq.num_cached
+        return n
+
     def after_step(self, batch: list[tuple[Sequence, int]]) -> None:
         """Advance caches; a sequence whose prompt is now fully cached joins the running set."""
         for seq, n in batch:
             seq.num_cached += n
+            if self.prefix_caching:
+                self.blocks.register(seq)
             if seq.status == Status.WAITING and seq.num_uncached == 0:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING

@@ -25,6 +25,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_cached: int = 0                                   # tokens whose KV/state are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash of each full computed block
+    restore_hash: int | None = None                       # GDN state snapshot to load before the next step
     state_slot: int = -1
     status: Status = Status.WAITING
     finish_reason: str | None = None                      # "stop" | "length" | "abort"

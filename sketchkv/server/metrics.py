@@ -1,0 +1,79 @@
+"""Prometheus metrics of the OpenAI server (one registry per app, so tests can run several apps).
+
+Engine-side numbers (tokens, queue lengths, KV blocks, prefix cache) are sampled on the engine thread
+after every step (`update_from_engine`); per-request numbers (TTFT, latency, finish reasons) are
+recorded by the HTTP handlers (`observe_request`). prometheus-client's metrics are thread-safe.
+"""
+import time
+from collections import deque
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None, rate_window_s: float = 10.0):
+        r = self.registry = registry or CollectorRegistry()
+        p = "sketchkv_"
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens prefilled (counted at first token)",
+                                     registry=r)
+        self.steps = Counter(p + "engine_steps", "engine steps run", registry=r)
+        self.requests = Counter(p + "requests", "finished requests by finish reason "
+                                "(stop, length, abort = client went away, error)", ["finish_reason"], registry=r)
+        self.requests_received = Counter(p + "requests_received", "requests handed to the engine", registry=r)
+        self.generation_tps = Gauge(p + "generation_tokens_per_second",
+                                    f"generated tokens per second over the last {rate_window_s:g} s", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "requests waiting for (more) prefill", registry=r)
+        self.running = Gauge(p + "num_requests_running", "sequences decoding", registry=r)
+        self.kv_blocks_used = Gauge(p + "kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_blocks_total = Gauge(p + "kv_blocks_total", "usable KV cache blocks", registry=r)
+        self.prefix_cache_hit_rate = Gauge(p + "prefix_cache_hit_rate",
+                                           "prompt tokens served from the prefix cache / prompt tokens looked up",
+                                           registry=r)
+        self.engine_alive = Gauge(p + "engine_alive", "1 while the engine thread runs", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to first generated token",
+                              buckets=_TIME_BUCKETS, registry=r)
+        self.latency = Histogram(p + "e2e_request_latency_seconds", "request arrival to last token",
+                                 buckets=_TIME_BUCKETS, registry=r)
+        self._last = {"generation_tokens": 0, "prompt_tokens": 0, "steps": 0}
+        self._window = rate_window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def update_from_engine(self, engine) -> None:
+        """Called on the engine thread (the only thread that may touch the engine)."""
+        stats = engine.stats
+        for key, counter in (("generation_tokens", self.generation_tokens), ("prompt_tokens", self.prompt_tokens),
+                             ("steps", self.steps)):
+            v = int(stats.get(key, 0))
+            if v > self._last[key]:
+                counter.inc(v - self._last[key])
+            self._last[key] = v
+        now = time.monotonic()
+        self._samples.append((now, self._last["generation_tokens"]))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self._window:
+            self._samples.popleft()
+        t0, n0 = self._samples[0]
+        self.generation_tps.set((self._last["generation_tokens"] - n0) / (now - t0) if now > t0 else 0.0)
+        self.waiting.set(len(engine.scheduler.waiting))
+        self.running.set(len(engine.scheduler.running))
+        blocks = engine.blocks
+        total = blocks.num_blocks - 1          # block 0 is the reserved scratch block
+        self.kv_blocks_total.set(total)
+        self.kv_blocks_used.set(total - blocks.num_free)
+        queries = stats.get("prefix_cache_queries", 0)
+        self.prefix_cache_hit_rate.set(stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
+
+    # ---- handlers ------------------------------------------------------------------------------
+    def observe_request(self, finish_reason: str, ttft: float | None, latency: float) -> None:
+        self.requests.labels(finish_reason=finish_reason or "unknown").inc()
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        self.latency.observe(latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
