@@ -76,6 +76,10 @@ def main():
     t_score = bench(lambda: sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len))
     score_bytes = B * L * Hkv * (r // 2 + 2) + B * max_len * 4
     t_topk = bench(lambda: topk(s, a.top_k))
+    # candidate: plain fp32 torch.topk (is its set identical to the tie-breaking reference?)
+    fv, fp_ = torch.topk(s, a.top_k, dim=-1)
+    rows["fp32_topk_same_set_as_reference"] = bool(torch.equal(torch.sort(fp_, -1).values, torch.sort(rp, -1).values))
+    rows["fp32_topk_us"] = bench(lambda: torch.topk(s, a.top_k, dim=-1)) * 1e6
     t_attn = bench(lambda: sparse_attention(q, kc, vc, tables, idx, counts, D ** -0.5))
     attn_bytes = B * idx.shape[-1] * Hkv * D * 2 * 2
     t_dense = bench(lambda: paged_attention_decode(q, kc, vc, tables, lens, D ** -0.5))

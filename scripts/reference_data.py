@@ -513,23 +513,33 @@ class BatchBuilder:
         scale = n / 16384 * shrink
         max_entries = max(2, int(64 * min(scale, 1.0)))
         n_reg = prng.randint(1, 3) if scale >= 0.125 else 1
-        regs = []
-        for _ in range(n_reg):
+        n_local = prng.randint(0, 3) if scale >= 0.125 else 0
+        regs = []  # (registry, position, local)
+        for r in range(n_reg + n_local):
+            local = r >= n_reg
             reg = make_registry(prng, prng.randint(min(4, max_entries), max_entries), constants=prng.random() < 0.3)
-            pos = prng.uniform(0.0, 0.15)
-            regs.append((reg, pos))
+            # global registries near the start, asserted anywhere later (long range); local ones anywhere,
+            # asserted within the next ~10% of the row (short range: the same mechanism, easier to pick up)
+            pos = prng.uniform(0.15, 0.85) if local else prng.uniform(0.0, 0.15)
+            regs.append((reg, pos, local))
             pieces.append((pos, reg.definition(), None))
         # lookups: every entry at most once until all were asked (long-range pressure: an earlier assertion of
         # the same key would be a shorter path), then again
-        entries = [(ri, ei) for ri, (reg, _) in enumerate(regs) for ei in range(len(reg.entries))]
+        entries = [(ri, ei) for ri, (reg, _, _) in enumerate(regs) for ei in range(len(reg.entries))]
         prng.shuffle(entries)
         n_look = max(2, int(prng.randint(32, 160) * min(scale, 2.0)))
         for li in range(n_look + 1):
-            ri, ei = entries[li % len(entries)]
-            reg, rpos = regs[ri]
+            if li == n_look:  # one assertion of a global registry at the very end of the row
+                ri = prng.randrange(n_reg)
+                ei = prng.randrange(len(regs[ri][0].entries))
+            else:
+                ri, ei = entries[li % len(entries)]
+            reg, rpos, local = regs[ri]
             line, a, b = reg.lookup(ei)
             if li == n_look:
-                pos = 1.0  # one assertion at the very end of the row
+                pos = 1.0
+            elif local:
+                pos = min(rpos + prng.uniform(0.002, 0.1), 0.999)
             elif prng.random() < 0.5:  # half anywhere after the definition, half in the second half of the row
                 pos = min(prng.uniform(rpos + 0.01, 1.0), 0.999)
             else:

@@ -35,7 +35,7 @@ log = logging.getLogger("sketchkv.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20   # agents send 250K-token conversations (~1 MB of text, more as JSON)
 _OFFLOAD_CHARS = 32_768                  # tokenize / parse bigger inputs off the event loop
-_DISCONNECT_CHECK_S = 0.5
+_DISCONNECT_CHECK_S = 0.25   # how often a waiting handler looks for a gone client / dead engine
 
 
 def default_served_name(model: str) -> str:
@@ -198,6 +198,23 @@ class _Server:
         decoded string shows only as U+FFFD)."""
         return self._token(tid)[1]
 
+    def _tok(self, tid: int, as_ids: bool) -> tuple[str, bytes]:
+        if as_ids:   # vLLM's return_tokens_as_token_ids: "token_id:123", unambiguous
+            s = f"token_id:{tid}"
+            return s, s.encode()
+        return self._token(tid)
+
+    def completion_logprobs(self, ids: list[int], lps: list[float], top, n_top: int, offset: int,
+                            as_ids: bool) -> dict:
+        strs = [self._tok(t, as_ids)[0] for t in ids]
+        tops = [[(self._tok(t, as_ids)[0], v) for t, v in row] for row in top] if n_top and top else None
+        return P.completion_logprobs(strs, lps, tops, offset)
+
+    def chat_logprobs(self, ids: list[int], lps: list[float], top, n_top: int, as_ids: bool) -> dict:
+        toks = [self._tok(t, as_ids) for t in ids]
+        tops = [[(self._tok(t, as_ids), v) for t, v in row] for row in top] if n_top and top else None
+        return P.chat_logprobs(toks, lps, tops)
+
     def _token(self, tid: int) -> tuple[str, bytes]:
         hit = self._tok_cache.get(tid)
         if hit is None:
@@ -222,12 +239,6 @@ class _Server:
         if piece is None or any(c not in self._byte_decoder for c in piece):
             return None
         return bytes(self._byte_decoder[c] for c in piece)
-
-    def top_tokens(self, top: list[list[tuple[int, float]]] | None) -> list[list[tuple[tuple[str, bytes], float]]] | None:
-        return None if top is None else [[(self._token(t), lp) for t, lp in row] for row in top]
-
-    def top_strs(self, top: list[list[tuple[int, float]]] | None) -> list[list[tuple[str, float]]] | None:
-        return None if top is None else [[(self.token_str(t), lp) for t, lp in row] for row in top]
 
 
 class _Handle:
@@ -326,6 +337,10 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
     async def _api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, e: ClientGone):
+        return Response(status_code=499)   # nobody is listening; nginx's "client closed request"
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         return JSONResponse(P.error_body(str(e.detail), "invalid_request_error" if e.status_code < 500
@@ -378,7 +393,9 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
             ids, prompt_text = await server.encode(prompt), prompt
         else:
             ids = list(prompt)
-            prompt_text = server.tokenizer.decode(ids, skip_special_tokens=False) if server.tokenizer else ""
+            prompt_text = ""
+            if server.tokenizer is not None and req.logprobs is not None:   # for text_offset only
+                prompt_text = server.tokenizer.decode(ids, skip_special_tokens=False)
         server.check_length(ids, "prompt")
         h = _Handle(server, request, f"cmpl-{uuid.uuid4().hex}", t0)
         await h.start(ids, params)
@@ -387,12 +404,12 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _stream(server, h, params, include_usage, created, chat=False, want_lp=want_lp,
-                           text_offset=len(prompt_text))
+                           text_offset=len(prompt_text), as_ids=bool(req.return_tokens_as_token_ids))
         ev, tokens, lps, tops = await _collect(h)
         logprobs = None
         if want_lp:
-            logprobs = P.completion_logprobs([server.token_str(t) for t in tokens], lps,
-                                             server.top_strs(tops) if req.logprobs else None, len(prompt_text))
+            logprobs = server.completion_logprobs(tokens, lps, tops, req.logprobs or 0, len(prompt_text),
+                                                  bool(req.return_tokens_as_token_ids))
         return P.completion_response(h.rid, server.name, created, ev.text, ev.finish_reason, logprobs,
                                      P.usage(h.num_prompt, len(tokens), h.num_cached))
 
@@ -408,7 +425,10 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
         messages = P.message_dicts(req.messages)
         try:
-            text = server.tokenizer.apply_chat_template(messages)
+            if sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > _OFFLOAD_CHARS:
+                text = await anyio.to_thread.run_sync(server.tokenizer.apply_chat_template, messages)
+            else:
+                text = server.tokenizer.apply_chat_template(messages)
         except SketchKVError as e:
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # jinja errors from a template that does not accept these messages
@@ -421,12 +441,11 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _stream(server, h, params, include_usage, created, chat=True, want_lp=bool(req.logprobs),
-                           n_top=n_top)
+                           n_top=n_top, as_ids=bool(req.return_tokens_as_token_ids))
         ev, tokens, lps, tops = await _collect(h)
         logprobs = None
         if req.logprobs:
-            logprobs = P.chat_logprobs([server._token(t) for t in tokens], lps,
-                                       server.top_tokens(tops) if n_top else None)
+            logprobs = server.chat_logprobs(tokens, lps, tops, n_top, bool(req.return_tokens_as_token_ids))
         return P.chat_response(h.rid, server.name, created, ev.text, ev.finish_reason, logprobs,
                                P.usage(h.num_prompt, len(tokens), h.num_cached))
 
@@ -449,8 +468,6 @@ async def _collect(h: _Handle):
                 tops += ev.top_logprobs or [[] for _ in ev.token_ids]
             if ev.finished:
                 return ev, tokens, lps, tops
-    except ClientGone:
-        raise ApiError(499, "client closed the request", code="client_closed_request") from None
     finally:
         h.abort()   # no-op once finished; frees the sequence if the handler was cancelled
 
@@ -468,7 +485,7 @@ def _safe_end(text: str, sent: int, finished: bool, holdback: int) -> int:
 
 
 def _stream(server: _Server, h: _Handle, params: SamplingParams, include_usage: bool, created: int, chat: bool,
-            want_lp: bool, n_top: int = 0, text_offset: int = 0) -> StreamingResponse:
+            want_lp: bool, n_top: int = 0, text_offset: int = 0, as_ids: bool = False) -> StreamingResponse:
     holdback = max((len(s) for s in params.stop), default=1) - 1
     name = server.name
     top_n = n_top if chat else (params.logprobs or 0)
@@ -495,13 +512,11 @@ def _stream(server: _Server, h: _Handle, params: SamplingParams, include_usage: 
                 lp = None
                 if want_lp and ev.logprobs is not None:
                     if chat:
-                        lp = P.chat_logprobs([server._token(t) for t in ev.token_ids], ev.logprobs,
-                                             server.top_tokens(ev.top_logprobs) if top_n else None)
+                        lp = server.chat_logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs, top_n, as_ids)
                     else:
-                        strs = [server.token_str(t) for t in ev.token_ids]
-                        lp = P.completion_logprobs(strs, ev.logprobs,
-                                                   server.top_strs(ev.top_logprobs) if top_n else None, offset)
-                        offset += sum(len(s) for s in strs)
+                        lp = server.completion_logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs, top_n, offset,
+                                                        as_ids)
+                        offset += sum(len(s) for s in lp["tokens"])
                 reason = ev.finish_reason if ev.finished else None
                 if delta or lp or ev.finished:
                     if chat:

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, like OpenAI's own server does for fields it does not know. A few vLLM
 extensions are accepted (top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
-include_stop_str_in_output); fields sketchkv cannot honour are refused with 400 when set to anything
+include_stop_str_in_output, return_tokens_as_token_ids); fields sketchkv cannot honour are refused with 400 when set to anything
 but their neutral value, never silently dropped.
 """
 import time
@@ -59,6 +59,7 @@ class _Sampling(_Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    return_tokens_as_token_ids: bool | None = None     # logprobs tokens as "token_id:123"
 
 
 class CompletionRequest(_Sampling):
