@@ -218,8 +218,8 @@ def _run(server, kind: str, prompt: str, max_tokens: int, stream: bool) -> dict:
     def take(c):
         if kind == "chat":
             parts.append((c.message.content if not stream else c.delta.content) or "")
-            steps.extend((e.token, {t.token: t.logprob for t in e.top_logprobs}) for e in (c.logprobs.content or [])
-                         if c.logprobs)
+            if c.logprobs:
+                steps.extend((e.token, {t.token: t.logprob for t in e.top_logprobs}) for e in c.logprobs.content)
         else:
             parts.append(c.text)
             if c.logprobs:

@@ -1,7 +1,8 @@
-"""RMSNorm variants used by the supported architectures."""
+"""RMSNorm variants used by the supported architectures (one fused kernel each on the GPU)."""
 import torch
 from torch import nn
-import torch.nn.functional as F
+
+from sketchkv.ops.rmsnorm import GATED, PLAIN, ZERO_CENTERED, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,10 +14,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps, PLAIN)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -28,9 +26,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, ZERO_CENTERED)
 
 
 class GatedRMSNorm(nn.Module):
@@ -42,8 +38,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        return rms_norm(x, self.weight, self.eps, GATED, gate)

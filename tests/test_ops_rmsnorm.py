@@ -1,0 +1,58 @@
+"""Fused RMSNorm kernel against its reference (interpreter on CPU, real sizes on the GPU)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sketchkv.ops import paged_attention as pa
+from sketchkv.ops.rmsnorm import GATED, PLAIN, ZERO_CENTERED, rms_norm, rms_norm_ref
+
+needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
+
+
+def test_reference_matches_transformers_norms():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRMSNormGated
+    x, g = torch.randn(7, 64, dtype=torch.bfloat16), torch.randn(7, 64, dtype=torch.bfloat16)
+    for kind, mod in ((ZERO_CENTERED, Qwen3NextRMSNorm(64)), (PLAIN, LlamaRMSNorm(64)), (GATED, Qwen3NextRMSNormGated(64))):
+        with torch.no_grad():
+            mod.weight.normal_()
+            mod.to(torch.bfloat16 if kind != ZERO_CENTERED else torch.float32)
+            ref = mod(x, g) if kind == GATED else mod(x)
+        assert torch.equal(rms_norm_ref(x, mod.weight, 1e-6, kind, g), ref)
+
+
+@needs_interp
+@pytest.mark.parametrize("kind", [ZERO_CENTERED, PLAIN, GATED])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_kernel_matches_reference(kind, dtype):
+    x = torch.randn(5, 3, 96, dtype=dtype) * 3
+    g = torch.randn(5, 3, 96, dtype=dtype)
+    w = torch.randn(96, dtype=dtype)
+    out = rms_norm(x, w, 1e-6, kind, g)
+    ref = rms_norm_ref(x, w, 1e-6, kind, g)
+    # bf16: the interpreter emulates bf16 casts by truncation, so allow two bf16 steps (2 x 2^-7)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_interpreter_child():
+    if pa._INTERPRETED:
+        pytest.skip("already running under the interpreter")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", __file__, "-k", "test_interp_", "-p", "no:cacheprovider"],
+                       env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "6 passed" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [ZERO_CENTERED, PLAIN, GATED])
+def test_gpu_kernel_matches_reference(kind):
+    x = torch.randn(64, 5120, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn_like(x)
+    w = torch.randn(5120, device="cuda", dtype=torch.bfloat16)
+    out = rms_norm(x, w, 1e-6, kind, g)
+    ref = rms_norm_ref(x, w, 1e-6, kind, g)
+    # same roundings; only the fp32 reduction order differs -> at most one bf16 ulp here and there
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 1.6e-2 + 1e-3).all()
