@@ -256,11 +256,11 @@ def evaluate_and_report(args, ckpt_dir, device, corpus_root=None, eval_command=N
     for f in files:
         if f.package.endswith(".py"):
             f.package = f.package[:-3]
-    texts = rd.read_files(root, files, getattr(args, "workers", 1))
+    texts = rd.read_files(root, files, 1)  # serial: no fork after CUDA / tokenizer threads started
     if not texts:
         raise SystemExit(f"no held-out files readable under {root}")
     text, starts = rd.heldout_text(files, texts)
-    funcs = rd.function_pool(texts, getattr(args, "workers", 1), 5000, seed=123)
+    funcs = rd.function_pool(texts, 1, 5000, seed=123)
     ids, tok_starts = rd.encode_with_offsets(tok, text, starts)
     docs = rd.HeldoutDocs(tok, text, starts, funcs, tok_starts=tok_starts)
     log(f"held-out: {len(texts)} files, {len(text) / 1e6:.2f}M chars, {len(ids) / 1e6:.2f}M tokens, "

@@ -154,16 +154,26 @@ def setup_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
 
-def _closure_var(fn, name):
+def _closure_var(fn, name, depth=3):
+    """Value of the free variable `name` of `fn`, also looking into functions it closes over (decorator layers)."""
     code = getattr(fn, "__code__", None)
     if code is None or not getattr(fn, "__closure__", None):
         return None
+    inner = []
     for var, cell in zip(code.co_freevars, fn.__closure__):
+        try:
+            val = cell.cell_contents
+        except ValueError:
+            continue
         if var == name:
-            try:
-                return cell.cell_contents
-            except ValueError:
-                return None
+            return val
+        if callable(val) and getattr(val, "__code__", None) is not None:
+            inner.append(val)
+    if depth > 0:
+        for f in inner:
+            val = _closure_var(f, name, depth - 1)
+            if val is not None:
+                return val
     return None
 
 
@@ -633,8 +643,6 @@ def train(args) -> int:
     t_proc = time.time()
     setup_env()
     import numpy as np
-    import torch
-    import torch.nn.functional as F
     import reference_data as rd
 
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO) if sys.argv[0] else
@@ -647,13 +655,14 @@ def train(args) -> int:
             if k in prev["args"]:
                 setattr(args, k, prev["args"][k])
         log(f"resuming {args.resume} at step {prev['step']} (run {prev['run_id']})")
-    device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
-                          ("cpu" if args.device == "auto" else args.device))
-    torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
-
+    # data first: its worker processes are forked before torch / CUDA / tokenizer threads exist
     tok, stream, funcs, split, data_info = prepare_data(args, tok_dir=args.resume)
+    import torch
+    import torch.nn.functional as F
+    device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
+                          ("cpu" if args.device == "auto" else args.device))
     eot_id, im_end_id = tok.token_to_id(rd.EOT), tok.token_to_id("<|im_end|>")
     _, ends_nl = rd.token_tables(tok)
     if prev and prev.get("data", {}).get("train_file_list_sha1") not in (None, data_info["train_file_list_sha1"]):
@@ -905,7 +914,7 @@ def train(args) -> int:
                                deadline=t_proc + args.wall_minutes * 60 - 5)
     elif args.export:
         import eval_reference as ev
-        ev.export_artifacts(args.out, args.report, args.export)
+        ev.export_artifacts(args.out, None, args.export)  # no report from this command
     log(f"done in {(time.time() - t_proc) / 60:.2f} min")
     return 0
 

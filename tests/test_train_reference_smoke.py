@@ -207,3 +207,19 @@ def test_synthetic_rows_and_eval_documents(run):
     d = docs.copy_doc(random.Random(1), 600)
     assert d.text.endswith(fn) and d.text.count(fn) == 2
     assert d.text[d.answer_start:d.answer_end] == fn[len("def unique_fn(a, b):\n"):]
+
+
+def test_gdn_gradient_check_code_path_on_cpu():
+    """The start-of-run check (fla vs transformers' fp32 reference, fwd + bwd) exercised with the reference on both
+    sides: only bf16 rounding of the gradients separates them."""
+    sys.path.insert(0, SCRIPTS)
+    import inspect
+    import train_reference as tr
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as M
+    args = tr.parse_args(TINY)
+    cfg = tr.build_config(args, 600, 0, 2)
+    ref = inspect.unwrap(M.torch_chunk_gated_delta_rule)
+    assert ref.__module__ == M.__name__
+    out = tr.gdn_grad_check(ref, ref, cfg, torch.device("cpu"), B=1, T=128)
+    assert set(out["rel_err"]) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
+    assert out["max_rel_err"] < 0.02, out
