@@ -21,7 +21,6 @@ Through transformers (AutoModelForCausalLM, SDPA, bf16 on GPU; Gated DeltaNet th
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -233,7 +232,6 @@ def recall(model, tok, docs, lengths, samples, n_entries, seed, device, deadline
 
 
 def evaluate_and_report(args, ckpt_dir, device, corpus_root=None, eval_command=None, deadline=None) -> dict:
-    import numpy as np
     import torch
     import reference_data as rd
     import train_reference as tr
@@ -410,7 +408,8 @@ def write_report(results, report_path) -> None:
     cfgp = st.get("params", {})
     k = st.get("kernels", {})
     chk = k.get("gdn_check", {})
-    layer_types = "".join("A" if t == "full_attention" else "L" for t in results.get("config", {}).get("layer_types", []))
+    layer_types = "".join("A" if t == "full_attention" else "L"
+                          for t in results.get("config", {}).get("layer_types", []))
     layer_types = f"{layer_types} (L = Gated DeltaNet, A = gated attention)" if layer_types else "?"
     lines = [
         "# sketchkv reference model: training and evaluation",
@@ -474,10 +473,11 @@ def write_report(results, report_path) -> None:
         "",
         "## Evaluation (held-out packages)",
         "",
-        f"- perplexity {p['ppl']:.3f} ({p['nll_per_token']:.4f} nats/token), **{p['bits_per_byte']:.4f} bits per byte** "
+        f"- perplexity {p['ppl']:.3f} ({p['nll_per_token']:.4f} nats/token), "
+        f"**{p['bits_per_byte']:.4f} bits per byte** "
         f"({p['bytes_per_token']:.2f} bytes/token), top-1 next-token accuracy {p['top1_next_token']:.3f}, over "
         f"{p['tokens']:,} tokens in {p['windows']} windows of {p['window']}",
-        f"- loss by position in the window (nats/token): "
+        "- loss by position in the window (nats/token): "
         + ", ".join(f"{k}: {v:.3f}" for k, v in p["loss_by_position"].items()),
     ]
     if "mtp_top1_t_plus_2" in p:

@@ -512,7 +512,8 @@ def prepare_data(args, tok_dir=None):
             n += len(texts[r])
         tok = rd.train_tokenizer(sample, args.vocab)
         t_tok = time.time()
-        log(f"tokenizer: byte-level BPE, vocab {tok.get_vocab_size()} trained on {n / 1e6:.1f} MB in {t_tok - t_func:.1f}s")
+        log(f"tokenizer: byte-level BPE, vocab {tok.get_vocab_size()} trained on {n / 1e6:.1f} MB in "
+            f"{t_tok - t_func:.1f}s")
     pkgs, streams = rd.build_package_streams(tok, split.train, texts)
     order = list(range(len(pkgs)))
     random.Random(args.seed + 2).shuffle(order)
@@ -520,7 +521,7 @@ def prepare_data(args, tok_dir=None):
     n_chars = sum(len(rd.FILE_HEADER.format(rel=r)) + len(t) for r, t in texts.items())
     encs = tok.encode_batch([s for s, _ in funcs_src], add_special_tokens=False) if funcs_src else []
     funcs = []
-    for (src, sig_len), e in zip(funcs_src, encs):
+    for (_, sig_len), e in zip(funcs_src, encs):
         ids = np.asarray(e.ids, dtype=np.int64)
         sig_ntok = sum(1 for (_, end) in e.offsets if end <= sig_len)
         if 0 < sig_ntok < len(ids):
@@ -669,7 +670,6 @@ def train(args) -> int:
         log("WARNING: the training file selection differs from the run being resumed (different corpus root?)")
 
     # --- model, kernels -------------------------------------------------------------------------------------
-    import transformers
     from transformers.models.qwen3_5 import modeling_qwen3_5 as M  # noqa: F401  (binds fla when present)
     gdn_info = install_gdn_dispatch()
     kernel_info = {"gdn_binding": gdn_info, "attn_implementation": "sdpa"}
@@ -778,7 +778,8 @@ def train(args) -> int:
                                             if use_long else "") +
         f"; budget this command {max(0, stop_at - t_train0) / 60:.2f} min (of --minutes {args.minutes:g}, wall cap "
         f"{args.wall_minutes:g}); " + (f"whole run {args.total_minutes:g} min, " if args.total_minutes else
-                                        "LR schedule ends with this command, ") + f"{used_train_s / 60:.2f} min used before")
+                                        "LR schedule ends with this command, ")
+        + f"{used_train_s / 60:.2f} min used before")
     step_times: list[float] = []
     acc = {"lm": 0.0, "mtp": 0.0, "ans": 0.0, "n": 0, "ans_n": 0, "tok": 0, "t": time.time(), "syn": 0, "rows": 0}
     first_step_s = None
@@ -889,7 +890,8 @@ def train(args) -> int:
         "updated": datetime.datetime.now().isoformat(timespec="seconds"),
     }
     save_info = save_checkpoint(args.out, model, mtp, tok, heldout_manifest(split), trainer_state, eot_id, im_end_id)
-    log(f"saved {args.out}: model.safetensors {save_info['file_bytes'] / 2**20:.2f} MiB, {save_info['tensors']} tensors")
+    log(f"saved {args.out}: model.safetensors {save_info['file_bytes'] / 2**20:.2f} MiB, "
+        f"{save_info['tensors']} tensors")
     if args.state_dir:
         os.makedirs(args.state_dir, exist_ok=True)
         tmp = state_path + ".tmp"

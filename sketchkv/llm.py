@@ -36,6 +36,10 @@ class LLM:
         bar.close()
         return [results[i] for i in ids]
 
+    def teacher_force(self, prompt_token_ids: list[list[int]], continuation_token_ids: list[list[int]]):
+        """Per-position log-probabilities of forced continuations (see LLMEngine.teacher_force)."""
+        return self.engine.teacher_force(prompt_token_ids, continuation_token_ids)
+
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], sampling_params)[0]

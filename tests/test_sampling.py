@@ -98,3 +98,16 @@ def test_prompt_too_long_is_refused(llm):
     with pytest.raises(RequestError, match="context limit"):
         llm.generate(prompt_token_ids=[[5] * 5000], sampling_params=SamplingParams(max_tokens=1))
     assert llm.generate(prompt_token_ids=[[5] * 10], sampling_params=SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_teacher_force_matches_full_forward(llm):
+    """Decode-step log-probs of a forced continuation equal a single prefill over prompt + continuation."""
+    prompt, cont = _ids(50, 7), _ids(12, 8)
+    lp = llm.teacher_force([prompt, _ids(20, 9)], [cont, _ids(5, 10)])
+    assert lp[0].shape == (12, llm.engine.model_config.vocab_size) and lp[1].shape[0] == 5
+    eng = LLM(llm.engine.cfg.model, device="cpu", block_size=16, enable_prefix_caching=False).engine
+    full = prompt + cont
+    seq = eng.add_request(full, SamplingParams(max_tokens=1))
+    batch = eng.scheduler.schedule()
+    ref = torch.log_softmax(eng.runner.logits_for(batch).float(), -1)[len(prompt) - 1:len(full) - 1]
+    torch.testing.assert_close(lp[0], ref, rtol=1e-4, atol=1e-4)

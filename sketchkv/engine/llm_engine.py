@@ -151,6 +151,33 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
         return outputs
 
+    def teacher_force(self, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
+        """Log-probabilities [len(cont), vocab] (fp32, on the CPU) that the model assigns at each
+        continuation position when fed the given tokens instead of its own: prefill the prompt,
+        then one decode step per continuation token, in batches like any other request. Sparse
+        decode, the host tier and CUDA graphs apply exactly as in generation."""
+        sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)
+        seqs = [self.add_request(p, sp) for p in prompts]
+        want = {s.seq_id: c for s, c in zip(seqs, continuations)}
+        rows: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
+        while any(not s.is_finished for s in seqs):
+            batch = self.scheduler.schedule()
+            if not batch:
+                raise RequestError("teacher forcing: a sequence does not fit the KV cache")
+            logits = self.runner.run(batch, sample_now=False)
+            self.scheduler.after_step(batch)
+            done = [seq for seq, n in batch if seq.num_cached == len(seq)]
+            for seq, row in zip(done, torch.log_softmax(logits.float(), -1).cpu()):
+                got, cont = rows[seq.seq_id], want[seq.seq_id]
+                got.append(row)
+                if len(got) == len(cont):
+                    seq.finish_reason = "length"
+                    self.scheduler.finish(seq)
+                    self.requests.pop(seq.request_id, None)
+                else:
+                    seq.token_ids.append(cont[len(got) - 1])
+        return [torch.stack(rows[s.seq_id]) for s in seqs]
+
     def _check_stop(self, seq: Sequence) -> None:
         p, tok, n_out = seq.params, seq.token_ids[-1], len(seq.output_token_ids)
         reason = None
