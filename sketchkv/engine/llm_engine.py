@@ -1,5 +1,6 @@
 """The engine loop: requests in, scheduled steps, tokens out."""
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ from sketchkv.kv.block_manager import BlockManager
 from sketchkv.models.loader import load_model
 from sketchkv.models.tokenizer import Tokenizer
 from sketchkv.sampling_params import SamplingParams
+
+logger = logging.getLogger("sketchkv")
+LONG_PREFILL = 32768  # prompts at least this long log their prefill progress
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
@@ -128,7 +132,11 @@ class LLMEngine:
             return []
         out = self.runner.run(batch)
         self.scheduler.after_step(batch)
-        for seq, _ in batch:  # the slot now holds the state after exactly num_cached tokens
+        for seq, n in batch:  # the slot now holds the state after exactly num_cached tokens
+            if n > 1 and len(seq) >= LONG_PREFILL:
+                took = time.monotonic() - seq.arrival
+                logger.info("request %s: prefill %d/%d tokens (%.0f tok/s since arrival)", seq.request_id,
+                            seq.num_cached, len(seq), (seq.num_cached - seq.num_prompt_cached) / max(took, 1e-6))
             if self.scheduler.snapshot_point(seq, seq.num_cached):
                 self.runner.state_cache.save(seq.block_hashes[-1], self.runner.slot_states(seq.state_slot))
         self.stats["steps"] += 1
