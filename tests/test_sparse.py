@@ -15,7 +15,7 @@ from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import dequantize_int4, quantize_int4, sketch_score, sketch_score_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
-from sketchkv.ops.topk import topk, topk_ref
+from sketchkv.ops.topk import topk, topk_positions, topk_ref
 
 needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 
@@ -37,6 +37,17 @@ def test_topk_deterministic_ties_by_position():
         rv, rp = topk_ref(s, k)
         assert torch.equal(p, rp) and torch.equal(v, rv)
         assert torch.equal(topk(s, k)[1], p)
+
+
+def test_topk_positions_same_set_as_reference_with_ties_and_masks():
+    s = torch.randint(0, 6, (3, 2, 2000)).float()
+    s[0, 0, 1500:] = float("-inf")                       # fewer finite scores than k in one row
+    s[1, :, :10] = float("inf")
+    for k in (1, 64, 700):
+        got = topk_positions(s, k, 2**31 - 1)
+        _, ref = topk_ref(s, k)
+        ref = torch.where(s.gather(-1, ref) > float("-inf"), ref, 2**31 - 1)
+        assert torch.equal(got.long(), torch.sort(ref, -1).values)
 
 
 def _paged_sketch(seq_lens, Hkv, r, bs, seed=0):

@@ -13,7 +13,7 @@ from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
 from sketchkv.ops.sketch import quantize_int4, sketch_score
 from sketchkv.ops.sparse_attention import sparse_attention
-from sketchkv.ops.topk import topk
+from sketchkv.ops.topk import topk_positions
 
 SENTINEL = torch.iinfo(torch.int32).max
 
@@ -56,9 +56,7 @@ class SparseAttention(Attention):
         qp = torch.einsum("bhd,hdr->bhr", qs, self.basis)
         scores = sketch_score(qp, self.sketch, self.sketch_scale, ctx.block_tables, ctx.seq_lens,
                               c.sink_tokens, c.recent_tokens, max_len, c.shared_selection)
-        k = min(c.top_k, max_len)
-        vals, picks = topk(scores, k)
-        picks = torch.where(torch.isfinite(vals), picks, SENTINEL)
+        picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL)
         n = ctx.seq_lens.long()[:, None, None]
         ar_s = torch.arange(c.sink_tokens, device=q.device)
         ar_r = torch.arange(c.recent_tokens, device=q.device)
@@ -66,7 +64,7 @@ class SparseAttention(Attention):
         recent_start = torch.maximum(n - c.recent_tokens, torch.full_like(n, c.sink_tokens))
         recent = torch.where(recent_start + ar_r < n, recent_start + ar_r, SENTINEL)
         H = picks.shape[1]
-        idx = torch.cat([sinks.expand(B, H, -1), picks, recent.expand(B, H, -1)], dim=-1)
+        idx = torch.cat([sinks.expand(B, H, -1).int(), picks, recent.expand(B, H, -1).int()], dim=-1)
         idx = torch.sort(idx, dim=-1).values
         counts = (idx[:, 0] < SENTINEL).sum(-1).to(torch.int32)
         return idx.to(torch.int32), counts

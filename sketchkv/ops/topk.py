@@ -26,3 +26,24 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     top = torch.topk(keys, k, dim=-1, sorted=True).values
     pos = 0xFFFFFFFF - (top & 0xFFFFFFFF)
     return scores.gather(-1, pos), pos
+
+
+def topk_positions(scores: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """Positions of the k best scores above -inf (the masked positions), ascending, int32, padded with `fill` -> [..., k].
+
+    Same set as `topk_ref` (ties go to the earlier position) but without 64-bit keys: a float
+    top-k only finds the k-th value; every position above it is taken, then positions equal to
+    it in order until k are taken (a cumulative sum), and a scatter compacts them in position
+    order. Elementwise passes over the scores cost far less than selecting over int64 keys
+    (H200, 8 x 250K: fp32 torch.topk 116 us vs packed keys 428 us). Static shapes, no host sync.
+    """
+    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    gt = scores > kth
+    eq = scores == kth
+    need = k - gt.sum(-1, keepdim=True)
+    take = (gt | (eq & (torch.cumsum(eq, -1, dtype=torch.int32) <= need))) & (scores > float("-inf"))
+    col = torch.where(take, torch.cumsum(take, -1, dtype=torch.int32) - 1, k).long()
+    out = torch.full((*scores.shape[:-1], k + 1), fill, dtype=torch.int32, device=scores.device)
+    pos = torch.arange(scores.shape[-1], dtype=torch.int32, device=scores.device).expand_as(col)
+    out.scatter_(-1, col, torch.where(take, pos, fill))  # untaken positions all land in the spare column k
+    return out[..., :k]
