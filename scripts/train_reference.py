@@ -121,7 +121,7 @@ def parse_args(argv=None):
     g.add_argument("--wall-minutes", type=float, default=9.0,
                    help="hard cap for this whole process: training stops early enough to save (and evaluate)")
     g.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (tests)")
-    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--log-every", type=int, default=25)
     g.add_argument("--device", default="auto")
     g.add_argument("--rewarm-steps", type=int, default=50, help="LR re-warmup when resuming without optimizer state")
     g = p.add_argument_group("fla / triton")
