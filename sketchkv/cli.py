@@ -72,6 +72,11 @@ def _serve(args) -> None:
         server.engine.shutdown()
 
 
+def _eval(args) -> None:
+    from sketchkv.eval import module
+    module(args.eval_command).main(args)
+
+
 DEFAULT_PROMPT = "import torch\nfrom torch import nn\n\n\nclass"
 
 
@@ -118,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
     add_dataclass_args(s)
     s.set_defaults(func=_serve)
+    e = sub.add_parser("eval", help="quality evaluation against dense: kld, recall, agents (JSON + Markdown + PNG)")
+    esub = e.add_subparsers(dest="eval_command", required=True)
+    from sketchkv.eval import COMMANDS, module
+    helps = {"kld": "teacher-forced KL divergence and top-1 agreement against dense, with the dense noise floor",
+             "recall": "lookup / copy needle recall from held-out code, dense vs each candidate, per length",
+             "agents": "multi-turn recall over one long document: dense vs sparse vs prune-at-prefill"}
+    for name in COMMANDS:
+        ep = esub.add_parser(name, help=helps[name], description=module(name).__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        module(name).add_args(ep)
+        ep.set_defaults(func=_eval)
     return p
 
 

@@ -58,58 +58,59 @@ if triton is not None:
 
     @triton.jit
     def _sketch_score_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr,
-                             sinks, recent, max_len, max_blocks,
-                             stride_qb, stride_qh, stride_skb, stride_skt, stride_skh,
-                             stride_scb, stride_sct, stride_btb, stride_ob, stride_oh,
-                             HKV: tl.constexpr, R: tl.constexpr,
-                             BS: tl.constexpr, SHARED: tl.constexpr):
-        # One program per (sequence, KV block): reads the block's sketch rows once for all heads.
+                             sinks, recent, max_len, num_blocks,
+                             stride_qb, stride_qh, stride_skb, stride_scb, stride_btb, stride_ob, stride_oh,
+                             HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
+                             SHARED: tl.constexpr):
+        # One program per (sequence, BPP consecutive KV blocks). A block's sketch rows for all heads
+        # are one contiguous [BS, HKV * R/2] byte tile, loaded whole (coalesced), and the score is a
+        # dot over the flattened (head, dim) axis, scaled per (token, head).
         b = tl.program_id(0)
-        j = tl.program_id(1)
         n = tl.load(lens_ptr + b)
-        t = j * BS + tl.arange(0, BS)
-        lo = sinks
-        hi = n - recent
-        if j * BS < n:
-            blk = tl.load(bt_ptr + b * stride_btb + j).to(tl.int64)
-            valid = (t >= lo) & (t < hi)
-            half = tl.arange(0, R // 2)
-            total = tl.zeros([BS], dtype=tl.float32)
-            for h in tl.static_range(HKV):
-                base = sk_ptr + blk * stride_skb + h * stride_skh
-                packed = tl.load(base + tl.arange(0, BS)[:, None] * stride_skt + half[None, :]).to(tl.int32)
-                lo4 = ((packed & 15) - 8).to(tl.float32)          # even dims  [BS, R/2]
-                hi4 = ((packed >> 4) - 8).to(tl.float32)          # odd dims
-                s = tl.load(sc_ptr + blk * stride_scb + tl.arange(0, BS) * stride_sct + h).to(tl.float32)
-                qbase = qp_ptr + b * stride_qb + h * stride_qh
-                qe = tl.load(qbase + 2 * half).to(tl.float32)       # even dims [R/2]
-                qo = tl.load(qbase + 2 * half + 1).to(tl.float32)   # odd dims
-                dot = tl.sum(lo4 * qe[None, :] + hi4 * qo[None, :], axis=1) * s   # [BS]
-                if SHARED:
-                    total += dot
-                else:
-                    tl.store(out_ptr + b * stride_ob + h * stride_oh + t, tl.where(valid, dot, float("-inf")),
-                             mask=t < max_len)
+        C: tl.constexpr = HKV * (R // 2)
+        c = tl.arange(0, C)
+        qbase = qp_ptr + b * stride_qb + (c // (R // 2)) * stride_qh + 2 * (c % (R // 2))
+        qe = tl.load(qbase).to(tl.float32)          # even dims of every head, flattened [C]
+        qo = tl.load(qbase + 1).to(tl.float32)      # odd dims
+        rows = tl.arange(0, BS)
+        heads = tl.arange(0, HKV)
+        for i in tl.static_range(BPP):
+            j = tl.program_id(1) * BPP + i
+            t = j * BS + rows
+            valid = (t >= sinks) & (t < n - recent)
+            live = (j * BS < n) & (j < num_blocks)
+            blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
+            packed = tl.load(sk_ptr + blk * stride_skb + rows[:, None] * C + c[None, :],
+                             mask=live & valid[:, None], other=0).to(tl.int32)
+            prod = ((packed & 15) - 8).to(tl.float32) * qe[None, :] + ((packed >> 4) - 8).to(tl.float32) * qo[None, :]
+            per_head = tl.sum(tl.reshape(prod, (BS, HKV, R // 2)), axis=2)          # [BS, HKV]
+            scale = tl.load(sc_ptr + blk * stride_scb + rows[:, None] * HKV + heads[None, :],
+                            mask=live & valid[:, None], other=0.0).to(tl.float32)
+            per_head = per_head * scale
             if SHARED:
-                tl.store(out_ptr + b * stride_ob + t, tl.where(valid, total, float("-inf")), mask=t < max_len)
-        else:
-            for h in tl.static_range(HKV if not SHARED else 1):
-                tl.store(out_ptr + b * stride_ob + h * stride_oh + t, tl.full([BS], float("-inf"), tl.float32),
-                         mask=t < max_len)
+                score = tl.where(valid & live, tl.sum(per_head, axis=1), float("-inf"))
+                tl.store(out_ptr + b * stride_ob + t, score, mask=t < max_len)
+            else:
+                score = tl.where((valid & live)[:, None], per_head, float("-inf"))
+                tl.store(out_ptr + b * stride_ob + heads[None, :] * stride_oh + t[:, None], score,
+                         mask=(t < max_len)[:, None])
 
 
 def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                         shared: bool = True) -> torch.Tensor:
     B, Hkv, r = qp.shape
     bs = sketch.shape[1]
+    # each block's rows must be one contiguous [bs, Hkv * r/2] tile (how the runner allocates them)
+    assert sketch.stride(1) == Hkv * (r // 2) and sketch.stride(2) == r // 2 and sketch.stride(3) == 1
+    assert scale.stride(1) == Hkv and scale.stride(2) == 1
     qp = qp.contiguous()
     out = torch.empty(B, 1 if shared else Hkv, max_len, dtype=torch.float32, device=qp.device)
     nblk = triton.cdiv(max_len, bs)
-    _sketch_score_kernel[(B, nblk)](
-        qp, sketch, scale, block_tables, seq_lens, out, sinks, recent, max_len, block_tables.shape[1],
-        qp.stride(0), qp.stride(1), sketch.stride(0), sketch.stride(1), sketch.stride(2),
-        scale.stride(0), scale.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        HKV=Hkv, R=r, BS=bs, SHARED=shared)
+    bpp = 4  # blocks per program: more bytes in flight per program
+    _sketch_score_kernel[(B, triton.cdiv(nblk, bpp))](
+        qp, sketch, scale, block_tables, seq_lens, out, sinks, recent, max_len, min(nblk, block_tables.shape[1]),
+        qp.stride(0), qp.stride(1), sketch.stride(0), scale.stride(0), block_tables.stride(0),
+        out.stride(0), out.stride(1), HKV=Hkv, R=r, BS=bs, BPP=bpp, SHARED=shared)
     return out
 
 

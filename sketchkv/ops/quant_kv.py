@@ -1,0 +1,163 @@
+"""K/V rows of the host tier: quantisation (int4 / int8 / bf16) and the byte layout of a row.
+
+A host row holds one token of one full-attention layer: K and V of every KV head, as Hkv *head
+records* side by side, each padded to a multiple of 16 bytes (so every record starts 16-byte
+aligned and the gather kernel reads it with 16-byte vector loads):
+
+  int4  [K: D/2 B][V: D/2 B][K scales: D/G fp16][V scales: D/G fp16][pad]   G = min(64, D)
+        two signed 4-bit values per byte, low nibble = even dim, high nibble = odd dim, stored as
+        q + 8 with q in [-7, 7] (the convention of sketchkv.ops.sketch); symmetric, one scale per
+        group of G consecutive dims: s = max|x| / 7.   D=256: 128+128+8+8 = 272 B (no pad)
+  int8  [K: D int8][V: D int8][K scale fp16][V scale fp16][pad]   one scale per token and head:
+        s = max|x| / 127, q in [-127, 127].                      D=256: 516 -> 528 B
+  bf16  [K: D bf16][V: D bf16]                                   D=256: 1024 B
+
+(bytes per head record; a row is Hkv records: 1088 / 2112 / 4096 B for 4 KV heads x 256.)
+Multi-byte fields are little-endian (x86 hosts and NVIDIA GPUs): the kernel reads the scales
+through a float16 view of the same buffer and the int4 codes as int32 words (8 nibbles each,
+nibble i of a word = dim 8w + i).
+
+Round-trip error bounds, exact for finite inputs (x read as fp32, s the *stored* fp16 scale, which
+is what both the reference and the kernel multiply by; q * s is exact in fp32):
+  int4  |x - x^| <= s/2 per element, s the scale of its group: the code is round(x / s) clamped to
+        [-7, 7], and |x| / s <= 7 * (1 + 2^-11) < 7.5 because s is max|x| / 7 rounded to the nearest
+        fp16, so the clamp never costs more than rounding does. I.e. |x - x^| <= max|x| / 14 * (1 + 2^-10).
+  int8  the same with 127: |x - x^| <= s/2 <= max|x| / 254 * (1 + 2^-10), per token and head.
+  bf16  round to nearest: |x - x^| <= 2^-9 |x| (exact when the cache dtype is already bf16).
+(The division x / s is done in fp32; at a rounding boundary that can move a code by one only when
+|x / s - (n + 1/2)| < 2^-23 * 8, adding at most ~2^-20 * s: the tests allow a 1e-6 relative slack.)
+Scales are clamped to [2^-24, 65504] (fp16 range): all-zero groups round-trip to 0; inputs beyond
+7 * 65504 (int4) / 127 * 65504 (int8) saturate, and such K/V do not occur in practice.
+"""
+import torch
+
+FORMATS = ("int4", "int8", "bf16")
+_FP16_MIN, _FP16_MAX = 2.0 ** -24, 65504.0
+
+
+def group_size(head_dim: int) -> int:
+    """Dims per int4 scale group."""
+    return min(64, head_dim)
+
+
+def _pad16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def head_record_bytes(fmt: str, head_dim: int) -> int:
+    """Bytes of one token's K+V for one KV head (a head record, 16-byte padded)."""
+    D = head_dim
+    if fmt == "int4":
+        assert D % 8 == 0 and D % group_size(D) == 0, "int4 host rows need head_dim a multiple of 8"
+        return _pad16(D + 4 * (D // group_size(D)))
+    if fmt == "int8":
+        return _pad16(2 * D + 4)
+    if fmt == "bf16":
+        return _pad16(4 * D)
+    raise ValueError(f"unknown host KV format {fmt!r} (one of {FORMATS})")
+
+
+def row_bytes(fmt: str, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one host row: one token of one layer, all KV heads."""
+    return num_kv_heads * head_record_bytes(fmt, head_dim)
+
+
+# ---- int4, groups of G dims ---------------------------------------------------------------------
+
+def quantize_int4(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (packed uint8 [..., D/2], scale fp16 [..., D/G])."""
+    D = x.shape[-1]
+    G = group or group_size(D)
+    xg = x.float().reshape(*x.shape[:-1], D // G, G)
+    scale = (xg.abs().amax(-1) / 7.0).clamp(_FP16_MIN, _FP16_MAX).to(torch.float16)
+    q = torch.round(xg / scale.float()[..., None]).clamp_(-7, 7).to(torch.int16) + 8
+    q = q.reshape(*x.shape[:-1], D)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+    return packed, scale
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(packed uint8 [..., D/2], scale fp16 [..., D/G]) -> fp32 [..., D]."""
+    lo = (packed & 0xF).to(torch.int16) - 8
+    hi = (packed >> 4).to(torch.int16) - 8
+    q = torch.stack([lo, hi], dim=-1).flatten(-2).float()
+    NG = scale.shape[-1]
+    return (q.unflatten(-1, (NG, -1)) * scale.float()[..., None]).flatten(-2)
+
+
+# ---- int8, one scale per vector ----------------------------------------------------------------
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], scale fp16 [...])."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / 127.0).clamp(_FP16_MIN, _FP16_MAX).to(torch.float16)
+    q = torch.round(xf / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[..., None]
+
+
+# ---- whole head records --------------------------------------------------------------------------
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret the last dim of t as bytes."""
+    return t.contiguous().view(torch.uint8)
+
+
+def pack_kv(k: torch.Tensor, v: torch.Tensor, fmt: str) -> torch.Tensor:
+    """k, v [..., Hkv, D] -> head records uint8 [..., Hkv, head_record_bytes] on k's device."""
+    D = k.shape[-1]
+    if fmt == "int4":
+        kq, ks = quantize_int4(k)
+        vq, vs = quantize_int4(v)
+        parts = [kq, vq, _bytes(ks), _bytes(vs)]
+    elif fmt == "int8":
+        kq, ks = quantize_int8(k)
+        vq, vs = quantize_int8(v)
+        parts = [_bytes(kq), _bytes(vq), _bytes(ks[..., None]), _bytes(vs[..., None])]
+    elif fmt == "bf16":
+        parts = [_bytes(k.to(torch.bfloat16)), _bytes(v.to(torch.bfloat16))]
+    else:
+        raise ValueError(f"unknown host KV format {fmt!r}")
+    rec = torch.cat(parts, dim=-1)
+    pad = head_record_bytes(fmt, D) - rec.shape[-1]
+    if pad:
+        rec = torch.nn.functional.pad(rec, (0, pad))
+    return rec
+
+
+def unpack_kv(rec: torch.Tensor, fmt: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head records uint8 [..., head_record_bytes] -> (k, v) fp32 [..., D] (the PyTorch reference)."""
+    D = head_dim
+    assert rec.dtype == torch.uint8 and rec.shape[-1] == head_record_bytes(fmt, D)
+    if fmt == "int4":
+        NG = D // group_size(D)
+        ks = rec[..., D:D + 2 * NG].contiguous().view(torch.float16)
+        vs = rec[..., D + 2 * NG:D + 4 * NG].contiguous().view(torch.float16)
+        return dequantize_int4(rec[..., :D // 2], ks), dequantize_int4(rec[..., D // 2:D], vs)
+    if fmt == "int8":
+        kq = rec[..., :D].contiguous().view(torch.int8)
+        vq = rec[..., D:2 * D].contiguous().view(torch.int8)
+        ks = rec[..., 2 * D:2 * D + 2].contiguous().view(torch.float16)[..., 0]
+        vs = rec[..., 2 * D + 2:2 * D + 4].contiguous().view(torch.float16)[..., 0]
+        return dequantize_int8(kq, ks), dequantize_int8(vq, vs)
+    if fmt == "bf16":
+        k = rec[..., :2 * D].contiguous().view(torch.bfloat16).float()
+        v = rec[..., 2 * D:4 * D].contiguous().view(torch.bfloat16).float()
+        return k, v
+    raise ValueError(f"unknown host KV format {fmt!r}")
+
+
+def error_bound(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Per-element bound on |x - dequant(quant(x))| for x [..., D] (see the module docstring)."""
+    xf = x.float()
+    D = x.shape[-1]
+    if fmt == "int4":
+        _, s = quantize_int4(x)
+        return (s.float() / 2).repeat_interleave(group_size(D), dim=-1)
+    if fmt == "int8":
+        _, s = quantize_int8(x)
+        return (s.float() / 2)[..., None].expand_as(xf)
+    return xf.abs() * 2.0 ** -9
