@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the sparse-kernel and engine benchmarks, each under a time guard.
 # Usage (on the H200, from the repo root, with .whl carried):
 #   bash benchmarks/h200_session.sh SECONDS [TEST_FILES...]
-#   ENGINE_ARGS="..." overrides the engine benchmark's arguments; STAGES="tests sparse engine" picks stages.
+#   ENGINE_ARGS="..." overrides the engine benchmark's arguments; STAGES="tests sparse host engine" picks stages.
 # Everything lands in $OUT (logs + JSON), to be copied into benchmarks/results/ afterwards.
 set -u
 BUDGET=${1:-540}; shift || true
@@ -21,6 +21,9 @@ case " $STAGES " in *" tests "*)
 esac
 case " $STAGES " in *" sparse "*)
   timeout $(( $(left) / 3 )) python3 benchmarks/bench_sparse_ops.py --out "$OUT/sparse-ops.json" 2>&1 | tail -14 | tee "$OUT/sparse-ops.log";;
+esac
+case " $STAGES " in *" host "*)
+  timeout $(( $(left) / 2 )) python3 benchmarks/bench_host_gather.py --quick --out "$OUT/host-gather.json" 2>&1 | tail -20 | tee "$OUT/host-gather.log";;
 esac
 case " $STAGES " in *" engine "*)
   timeout $(( $(left) - 10 )) python3 benchmarks/bench_engine.py $ENGINE_ARGS --out "$OUT/engine-27b.json" 2>&1 | tee "$OUT/engine-27b.log" | tail -20;;

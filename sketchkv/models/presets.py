@@ -45,3 +45,44 @@ def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
             p.zero_() if getattr(model.config, "zero_centered_norm", False) else p.fill_(1.0)
         else:
             p.normal_(0.0, std, generator=g)
+
+
+def byte_tokenizer_files(path: str) -> None:
+    """A byte-level BPE tokenizer with no merges (256 byte tokens + specials) and a ChatML template."""
+    import json
+    import os
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "chat_template": template}, f, indent=1)
+
+
+def save_random_checkpoint(name: str, path: str, seed: int = 0) -> None:
+    """Write a Hugging Face directory (config.json, model.safetensors, tokenizer) for a preset with
+    random weights: a stand-in model for smoke runs until a trained one is at hand."""
+    import json
+    import os
+    from safetensors.torch import save_file
+    from sketchkv.models.loader import build_model
+    cfg, raw = preset_config(name)
+    os.makedirs(path, exist_ok=True)
+    model = build_model(cfg, torch.float32, torch.device("cpu"))
+    randomize(model, seed)
+    tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()}
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    byte_tokenizer_files(path)
+    with open(os.path.join(path, "tokenizer.json")) as f:
+        eos = json.load(f)["added_tokens"][0]["id"]  # <|endoftext|>
+    arch = {"qwen3_5_text": "Qwen3_5ForCausalLM"}.get(raw["model_type"], "LlamaForCausalLM")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**raw, "eos_token_id": eos, "architectures": [arch], "torch_dtype": "bfloat16"}, f, indent=1)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos}, f)

@@ -23,7 +23,7 @@ is what both the reference and the kernel multiply by; q * s is exact in fp32):
         [-7, 7], and |x| / s <= 7 * (1 + 2^-11) < 7.5 because s is max|x| / 7 rounded to the nearest
         fp16, so the clamp never costs more than rounding does. I.e. |x - x^| <= max|x| / 14 * (1 + 2^-10).
   int8  the same with 127: |x - x^| <= s/2 <= max|x| / 254 * (1 + 2^-10), per token and head.
-  bf16  round to nearest: |x - x^| <= 2^-9 |x| (exact when the cache dtype is already bf16).
+  bf16  round to nearest (8-bit significand): |x - x^| <= 2^-8 |x| (exact when the cache is bf16).
 (The division x / s is done in fp32; at a rounding boundary that can move a code by one only when
 |x / s - (n + 1/2)| < 2^-23 * 8, adding at most ~2^-20 * s: the tests allow a 1e-6 relative slack.)
 Scales are clamped to [2^-24, 65504] (fp16 range): all-zero groups round-trip to 0; inputs beyond
@@ -160,4 +160,4 @@ def error_bound(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "int8":
         _, s = quantize_int8(x)
         return (s.float() / 2)[..., None].expand_as(xf)
-    return xf.abs() * 2.0 ** -9
+    return xf.abs() * 2.0 ** -8
