@@ -193,3 +193,30 @@ def test_small_k_selects_exactly_sinks_picks_recent_and_is_deterministic(ckpt_wi
         assert sel[:4] == [0, 1, 2, 3] and sel[-8:] == list(range(n - 8, n))
         assert sel == sorted(set(sel))
     assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_decode_rows_in_mixed_steps_stay_sparse(ckpt_with_basis, monkeypatch):
+    """Continuous batching: while one prompt prefills in chunks, another sequence's decode rows take
+    the sparse path (not a dense prefill-style pass), and give the tokens they give alone."""
+    from sketchkv.engine.context import get_context
+    cfg = SparseConfig(sparse=True, top_k=16, sink_tokens=4, recent_tokens=8, dense_threshold=0)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [_prompt(400, 11), _prompt(600, 12)]
+    alone = [LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=cfg).generate(
+        prompt_token_ids=[p], sampling_params=sp)[0].token_ids for p in prompts]
+    calls = []
+    orig = SparseAttention.decode
+
+    def spy(self, q, *args):
+        calls.append((get_context().is_decode, args[2], q.shape[0]))
+        return orig(self, q, *args)
+    monkeypatch.setattr(SparseAttention, "decode", spy)
+    eng = LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=cfg, max_num_batched_tokens=48).engine
+    first = eng.add_request(prompts[0], sp)
+    while not first.output_token_ids:
+        eng.step()
+    second = eng.add_request(prompts[1], sp)
+    while eng.has_unfinished:
+        eng.step()
+    assert any(not is_decode and sparse and n == 1 for is_decode, sparse, n in calls)  # mixed steps
+    assert [first.output_token_ids, second.output_token_ids] == alone

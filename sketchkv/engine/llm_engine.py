@@ -131,17 +131,7 @@ class LLMEngine:
                                    f"({self.blocks.num_blocks - 1} blocks of {self.blocks.block_size})")
             return []
         out = self.runner.run(batch)
-        self.scheduler.after_step(batch)
-        for seq, n in batch:  # the slot now holds the state after exactly num_cached tokens
-            if n > 1 and len(seq) >= LONG_PREFILL:
-                took = time.monotonic() - seq.arrival
-                logger.info("request %s: prefill %d/%d tokens (%.0f tok/s since arrival)", seq.request_id,
-                            seq.num_cached, len(seq), (seq.num_cached - seq.num_prompt_cached) / max(took, 1e-6))
-            if self.scheduler.snapshot_point(seq, seq.num_cached):
-                self.runner.state_cache.save(seq.block_hashes[-1], self.runner.slot_states(seq.state_slot))
-        self.stats["steps"] += 1
-        self.stats["prefix_cache_queries"] = self.scheduler.prefix_queries
-        self.stats["prefix_cache_hits"] = self.scheduler.prefix_hits
+        self._after_run(batch)
         done = [seq for seq, n in batch if seq.num_cached == len(seq)]
         outputs = []
         for i, seq in enumerate(done):
@@ -159,6 +149,20 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
         return outputs
 
+    def _after_run(self, batch) -> None:
+        """Caches advanced by one step: register blocks, save due GDN snapshots, log long prefills."""
+        self.scheduler.after_step(batch)
+        for seq, n in batch:  # the slot now holds the state after exactly num_cached tokens
+            if n > 1 and len(seq) >= LONG_PREFILL:
+                took = time.monotonic() - seq.arrival
+                logger.info("request %s: prefill %d/%d tokens (%.0f tok/s since arrival)", seq.request_id,
+                            seq.num_cached, len(seq), (seq.num_cached - seq.num_prompt_cached) / max(took, 1e-6))
+            if self.scheduler.snapshot_point(seq, seq.num_cached):
+                self.runner.state_cache.save(seq.block_hashes[-1], self.runner.slot_states(seq.state_slot))
+        self.stats["steps"] += 1
+        self.stats["prefix_cache_queries"] = self.scheduler.prefix_queries
+        self.stats["prefix_cache_hits"] = self.scheduler.prefix_hits
+
     def teacher_force(self, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
         """Log-probabilities [len(cont), vocab] (fp32, on the CPU) that the model assigns at each
         continuation position when fed the given tokens instead of its own: prefill the prompt,
@@ -173,7 +177,7 @@ class LLMEngine:
             if not batch:
                 raise RequestError("teacher forcing: a sequence does not fit the KV cache")
             logits = self.runner.run(batch, sample_now=False)
-            self.scheduler.after_step(batch)
+            self._after_run(batch)
             done = [seq for seq, n in batch if seq.num_cached == len(seq)]
             for seq, row in zip(done, torch.log_softmax(logits.float(), -1).cpu()):
                 got, cont = rows[seq.seq_id], want[seq.seq_id]

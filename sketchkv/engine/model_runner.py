@@ -56,7 +56,7 @@ class ModelRunner:
         for j, i in enumerate(c.full_attention_layers):
             owner = self.model.model.layers[i].self_attn
             owner.attn = SparseAttention(owner.attn, sp, basis.bases[j].to(self.device),
-                                         basis.means[j].to(self.device))
+                                         basis.means[j].to(self.device), self.dense_threshold)
 
     # ---- memory -------------------------------------------------------------------------------
     @property

@@ -173,6 +173,8 @@ def add_common_args(p: argparse.ArgumentParser, default_name: str) -> None:
     p.add_argument("--out-dir", default="eval-results", help="where NAME.json / NAME.md / NAME.png go")
     p.add_argument("--name", default=default_name, help=f"output file stem (default: {default_name})")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--from-json", metavar="NAME.json", help="run nothing: rewrite NAME.md / NAME.png from a saved "
+                                                           "result file (e.g. one produced on a GPU machine)")
 
 
 def make_llm(model: str, options: dict):
@@ -233,7 +235,12 @@ def reference_data():
     if _RD is not None:
         return _RD
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(here, "scripts", "reference_data.py")
+    # the checkout this package lives in, else the current directory (a wheel installed elsewhere, run from a
+    # checkout, as on the GPU machines)
+    for path in (os.path.join(here, "scripts", "reference_data.py"),
+                 os.path.join(os.getcwd(), "scripts", "reference_data.py")):
+        if os.path.isfile(path):
+            break
     if os.path.isfile(path):
         spec = importlib.util.spec_from_file_location("reference_data", path)
         mod = importlib.util.module_from_spec(spec)
@@ -406,6 +413,39 @@ def write_text(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
+
+
+def write_outputs(results: dict, out_dir: str, name: str, markdown_fn, plot_fn) -> dict:
+    """NAME.json first (the numbers survive a plotting failure), then NAME.png and NAME.md."""
+    base = os.path.join(out_dir, name)
+    paths = {"json": base + ".json", "md": base + ".md", "png": base + ".png"}
+    results["outputs"] = paths
+    write_json(paths["json"], results)
+    try:
+        plot_fn(results, paths["png"])
+    except Exception as e:  # e.g. no matplotlib on this machine: replot elsewhere with --from-json
+        log(f"no plot written ({type(e).__name__}: {e}); redo it with --from-json {paths['json']}")
+    write_text(paths["md"], markdown_fn(results, os.path.basename(paths["png"])))
+    return paths
+
+
+def save_partial(results: dict, out_dir: str, name: str) -> None:
+    """NAME.json with the configurations finished so far (marked partial): a run cut short keeps its numbers."""
+    write_json(os.path.join(out_dir, name + ".json"), {**results, "partial": True})
+
+
+def replot(json_path: str, markdown_fn, plot_fn) -> dict:
+    """Rewrite NAME.md and NAME.png next to a saved NAME.json (no model run)."""
+    if not os.path.isfile(json_path):
+        raise SketchKVError(f"{json_path}: no such file")
+    with open(json_path) as f:
+        results = json.load(f)
+    results.pop("partial", None)
+    out_dir = os.path.dirname(os.path.abspath(json_path))
+    name = os.path.splitext(os.path.basename(json_path))[0]
+    paths = write_outputs(results, out_dir, name, markdown_fn, plot_fn)
+    log(f"rewrote {paths['md']} and {paths['png']} from {json_path}")
+    return results
 
 
 def pyplot():

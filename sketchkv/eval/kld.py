@@ -50,6 +50,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
+    if args.from_json:
+        return C.replot(args.from_json, markdown, plot)
     return run_kld(args.model, args.data, args.lengths, args.continuation, args.samples, args.candidate,
                    args.floor or ["batch+chunk"], args.floor_batch, args.floor_chunk, args.seed, args.out_dir,
                    args.name, C.base_options(args), quiet=args.quiet)
@@ -113,7 +115,10 @@ def compare(ref, cand, targets):
     import torch
     lp = ref.double()
     lq = cand.double()
-    kl = (lp.exp() * (lp - lq)).sum(-1)
+    # renormalise in float64: fp32 log-softmax rows sum to 1 only to ~1e-7, which would show as (negative) KL
+    lp = lp - lp.logsumexp(-1, keepdim=True)
+    lq = lq - lq.logsumexp(-1, keepdim=True)
+    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
     top1 = lp.argmax(-1) == lq.argmax(-1)
     nll = -lq.gather(-1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0]
     return kl.numpy(), top1.numpy(), nll.numpy()
@@ -180,7 +185,8 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
     ids, starts = token_stream(tok, docs)
     all_samples = make_samples(ids, starts, lengths, continuation, samples, seed, max_pos)
     need_len = max(s["prompt_len"] for s in all_samples) + continuation + 2
-    common = dict(base, enable_prefix_caching=False, max_model_len=need_len)
+    # sparse=False explicitly: a SKETCHKV_SPARSE in the environment must not turn the reference sparse
+    common = dict(base, sparse=False, enable_prefix_caching=False, max_model_len=need_len)
     C.log(f"kld: {len(docs)} held-out files, {len(ids):,} tokens; {len(all_samples)} samples "
           f"({samples} x lengths {lengths}), {continuation} scored tokens each", quiet)
 
@@ -189,10 +195,12 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
         opts = dict(common)
         if "chunk" in f:
             opts["max_num_batched_tokens"] = floor_chunk
+        if "batch" in f and int(opts.get("max_num_seqs") or 64) < floor_batch:
+            opts["max_num_seqs"] = floor_batch
         desc = FLOOR_PATHS[f].format(batch=floor_batch, chunk=floor_chunk, ref_chunk=ref_chunk)
         configs.append(("floor:" + f, "floor", opts, floor_batch if "batch" in f else 1, desc))
     for c in cands:
-        configs.append((c.name, "candidate", {**common, **c.options}, 1, c.note or c.describe()))
+        configs.append((c.name, "candidate", {**common, **c.options}, 1, c.note))
 
     results = {"info": C.run_info(model, base), "kind": "kld", "data": source,
                "settings": {"lengths": lengths, "continuation": continuation, "samples": samples, "seed": seed,
@@ -247,7 +255,8 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
                      "by_length": {str(L): summarize(*per_len[L]) for L in lengths}}
             results["configs"][cname] = entry
             o = entry["overall"]
-            C.log(f"kld {cname}: KL {o['kl_mean']:.5f} nats/token (p95 {o['kl_p95']:.5f}), top-1 {o['top1']:.4f} "
+            C.save_partial(results, out_dir, name)
+            C.log(f"kld {cname}: KL {o['kl_mean']:.4g} nats/token (p95 {o['kl_p95']:.3g}), top-1 {o['top1']:.4f} "
                   f"[{entry['seconds']}s]", quiet)
 
     floor_name = next((n for n, e in results["configs"].items() if e["kind"] == "floor"), None)
@@ -265,20 +274,15 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
 
 
 def _ratio(a, b):
-    return None if a is None or not b else a / b
+    """a / b, or None when the floor is zero to float64 resolution (e.g. deterministic fp32 CPU runs)."""
+    return None if a is None or b is None or b < 1e-12 else a / b
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Outputs
 # ----------------------------------------------------------------------------------------------------------
 def write_outputs(results: dict, out_dir: str, name: str) -> dict:
-    base = os.path.join(out_dir, name)
-    paths = {"json": base + ".json", "md": base + ".md", "png": base + ".png"}
-    plot(results, paths["png"])
-    C.write_text(paths["md"], markdown(results, os.path.basename(paths["png"])))
-    results["outputs"] = paths
-    C.write_json(paths["json"], results)
-    return paths
+    return C.write_outputs(results, out_dir, name, markdown, plot)
 
 
 def markdown(r: dict, png: str) -> str:
@@ -304,8 +308,8 @@ def markdown(r: dict, png: str) -> str:
     for n, e in r["configs"].items():
         o = e["overall"]
         opts = ", ".join(f"{k}={v}" for k, v in e["options"].items()) or "–"
-        lines.append(f"| {n} | {opts} | {C.fmt(o['kl_mean'], '.5f')} | {C.fmt(o['kl_ci95'], '.5f')} | "
-                     f"{C.fmt(o['kl_std'], '.5f')} | {C.fmt(o['kl_p95'], '.5f')} | {C.fmt(o['kl_p99'], '.5f')} | "
+        lines.append(f"| {n} | {opts} | {C.fmt(o['kl_mean'], '.4g')} | {C.fmt(o['kl_ci95'], '.2g')} | "
+                     f"{C.fmt(o['kl_std'], '.3g')} | {C.fmt(o['kl_p95'], '.3g')} | {C.fmt(o['kl_p99'], '.3g')} | "
                      f"{C.fmt(o.get('kl_over_floor'), '.2f')} | {C.fmt(o['top1'], '.4f')} | "
                      f"{C.fmt(o['top1_sample_std'], '.4f')} | {C.fmt(o['top1_sample_p5'], '.4f')} | "
                      f"{C.fmt(o['nll'], '.4f')} |")
@@ -316,16 +320,31 @@ def markdown(r: dict, png: str) -> str:
     for L in s["lengths"]:
         for n, e in r["configs"].items():
             b = e["by_length"][str(L)]
-            lines.append(f"| {C.fmt_len(L)} | {r['prompt_lens'][str(L)]} | {n} | {C.fmt(b['kl_mean'], '.5f')} | "
-                         f"{C.fmt(b['kl_ci95'], '.5f')} | {C.fmt(b['kl_p95'], '.5f')} | "
+            lines.append(f"| {C.fmt_len(L)} | {r['prompt_lens'][str(L)]} | {n} | {C.fmt(b['kl_mean'], '.4g')} | "
+                         f"{C.fmt(b['kl_ci95'], '.2g')} | {C.fmt(b['kl_p95'], '.3g')} | "
                          f"{C.fmt(b.get('kl_over_floor'), '.2f')} | {C.fmt(b['top1'], '.4f')} | "
                          f"{C.fmt(b['top1_sample_p5'], '.4f')} | {C.fmt(b['nll'], '.4f')} "
                          f"({C.fmt(r['reference_nll'].get(str(L)), '.4f')}) |")
+    fl = r.get("floor")
+    if fl:
+        lines += ["", "## Against the floor", "",
+                  "Issue 7's goal: KL at or below the dense noise floor and top-1 agreement at or above it.", ""]
+        f = r["configs"][fl]
+        for n, e in r["configs"].items():
+            if e["kind"] == "floor":
+                continue
+            kl_ok = [L for L in s["lengths"] if e["by_length"][str(L)]["kl_mean"] <= f["by_length"][str(L)]["kl_mean"]]
+            t1_ok = [L for L in s["lengths"] if e["by_length"][str(L)]["top1"] >= f["by_length"][str(L)]["top1"]]
+            o, fo = e["overall"], f["overall"]
+            lines.append(f"- `{n}`: KL {C.fmt(o['kl_mean'], '.4g')} vs floor {C.fmt(fo['kl_mean'], '.4g')} "
+                         f"({C.fmt(o.get('kl_over_floor'), '.2f')}× floor), at or below it at {len(kl_ok)}/"
+                         f"{len(s['lengths'])} lengths; top-1 {C.fmt(o['top1'], '.4f')} vs floor "
+                         f"{C.fmt(fo['top1'], '.4f')}, at or above it at {len(t1_ok)}/{len(s['lengths'])} lengths")
     lines += ["", f"![KL divergence and top-1 agreement against dense]({png})", "",
               "KL(dense ‖ candidate) is computed over the full vocabulary at each scored position; top-1 agreement is "
               "argmax(dense) == argmax(candidate). Spread: per-token std / p95 / p99; per-sample std, 5th percentile "
               "and the 95% interval of the mean (1.96 · sample std / √n). Configuration rows run as separate engines; "
-              f"total time {r['seconds']} s.", ""]
+              f"total time {r.get('seconds', '–')} s.", ""]
     return "\n".join(lines)
 
 

@@ -28,16 +28,35 @@ class Attention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] for the step's new tokens -> [T, Hq, D]."""
         ctx = get_context()
         self.store_kv(k, v)
-        kc, vc = self.k_cache, self.v_cache
         if ctx.is_decode:
-            return paged_attention_decode(q, kc, vc, ctx.block_tables, ctx.seq_lens, self.scale)
-        out, start = [], 0
-        for b, (qlen, cached) in enumerate(zip(ctx.query_lens, ctx.context_lens)):
-            qb = q[start:start + qlen]
+            return self.decode(q, ctx.block_tables, ctx.seq_lens, ctx.sparse, ctx.graph, ctx.max_seq_len)
+        # Mixed step: one-token rows of running sequences take the decode path as a sub-batch (so
+        # continuous batching never turns a long decode into a full prefill-style gather), prompt
+        # chunks attend over their cached prefix.
+        out = torch.empty_like(q)
+        starts = [0]
+        for n in ctx.query_lens:
+            starts.append(starts[-1] + n)
+        dec = [b for b, (n, c) in enumerate(zip(ctx.query_lens, ctx.context_lens)) if n == 1 and c > 0]
+        if dec:
+            rows = torch.tensor([starts[b] for b in dec], device=q.device)
+            sub = torch.tensor(dec, device=q.device)
+            longest = max(ctx.context_lens[b] + 1 for b in dec)
+            out[rows] = self.decode(q[rows], ctx.block_tables[sub], ctx.seq_lens[sub],
+                                    longest > self.dense_threshold, False, longest)
+        for b, (n, cached) in enumerate(zip(ctx.query_lens, ctx.context_lens)):
+            if n == 1 and cached > 0:
+                continue
+            s = starts[b]
             if cached == 0:  # fresh prompt: its K/V are exactly this step's rows
-                kb, vb = k[start:start + qlen], v[start:start + qlen]
+                kb, vb = k[s:s + n], v[s:s + n]
             else:
-                kb, vb = gather_kv(kc, vc, ctx.block_tables[b], cached + qlen)
-            out.append(prefix_causal_attention(qb, kb.to(q.dtype), vb.to(q.dtype), self.scale))
-            start += qlen
-        return torch.cat(out)
+                kb, vb = gather_kv(self.k_cache, self.v_cache, ctx.block_tables[b], cached + n)
+            out[s:s + n] = prefix_causal_attention(q[s:s + n], kb.to(q.dtype), vb.to(q.dtype), self.scale)
+        return out
+
+    dense_threshold = float("inf")  # the sparse layer sets its own
+
+    def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:
+        """One query per sequence over its whole cached context (dense)."""
+        return paged_attention_decode(q, self.k_cache, self.v_cache, block_tables, seq_lens, self.scale)

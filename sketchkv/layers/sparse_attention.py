@@ -19,9 +19,11 @@ SENTINEL = torch.iinfo(torch.int32).max
 
 
 class SparseAttention(Attention):
-    def __init__(self, dense: Attention, cfg: SparseConfig, basis: torch.Tensor, mean: torch.Tensor):
+    def __init__(self, dense: Attention, cfg: SparseConfig, basis: torch.Tensor, mean: torch.Tensor,
+                 dense_threshold: int):
         super().__init__(dense.num_heads, dense.num_kv_heads, dense.head_dim, dense.scale)
         self.cfg = cfg
+        self.dense_threshold = dense_threshold  # contexts up to this decode dense
         self.basis = basis            # [Hkv, D, r]
         self.mean = mean              # [Hkv, D]
         self.rank = basis.shape[-1]
@@ -39,25 +41,28 @@ class SparseAttention(Attention):
         packed, scale = self.sketch_keys(k)
         self.sketch.view(-1, self.num_kv_heads, self.rank // 2).index_copy_(0, ctx.slot_mapping, packed)
         self.sketch_scale.view(-1, self.num_kv_heads).index_copy_(0, ctx.slot_mapping, scale)
-        if not (ctx.is_decode and ctx.sparse):
-            return super().forward(q, k, v)
-        self.store_kv(k, v)
-        idx, counts = self.select(q, ctx)
-        self.last_indices = (idx, counts)
-        return sparse_attention(q, self.k_cache, self.v_cache, ctx.block_tables, idx, counts, self.scale)
+        return super().forward(q, k, v)
 
-    def select(self, q: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:
+        if not sparse:
+            return super().decode(q, block_tables, seq_lens, sparse, graph, max_seq_len)
+        # in a CUDA graph the shapes must not depend on this step's lengths
+        max_len = block_tables.shape[1] * self.k_cache.shape[1] if graph else max_seq_len
+        idx, counts = self.select(q, block_tables, seq_lens, max_len)
+        self.last_indices = (idx, counts)
+        return sparse_attention(q, self.k_cache, self.v_cache, block_tables, idx, counts, self.scale)
+
+    def select(self, q, block_tables, seq_lens, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> token positions [B, Hsel, S + k + R] sorted ascending (SENTINEL-padded) and counts [B]."""
         c = self.cfg
         B = q.shape[0]
-        max_len = ctx.block_tables.shape[1] * self.k_cache.shape[1] if ctx.graph else ctx.max_seq_len
         G = self.num_heads // self.num_kv_heads
         qs = q.float().view(B, self.num_kv_heads, G, self.head_dim).sum(2)
         qp = torch.einsum("bhd,hdr->bhr", qs, self.basis)
-        scores = sketch_score(qp, self.sketch, self.sketch_scale, ctx.block_tables, ctx.seq_lens,
+        scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens,
                               c.sink_tokens, c.recent_tokens, max_len, c.shared_selection)
         picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL)
-        n = ctx.seq_lens.long()[:, None, None]
+        n = seq_lens.long()[:, None, None]
         ar_s = torch.arange(c.sink_tokens, device=q.device)
         ar_r = torch.arange(c.recent_tokens, device=q.device)
         sinks = torch.where(ar_s < n, ar_s, SENTINEL)
