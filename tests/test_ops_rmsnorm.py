@@ -35,8 +35,8 @@ def test_interp_kernel_matches_reference(kind, dtype):
     out = rms_norm(x, w, 1e-6, kind, g)
     ref = rms_norm_ref(x, w, 1e-6, kind, g)
     # bf16: the interpreter emulates bf16 casts by truncation (twice for the plain and gated kinds),
-    # so allow three bf16 steps (3 x 2^-8 relative)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.2e-2, atol=3e-2)
+    # so allow three bf16 steps (at most 3 x 2^-7 relative)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2.4e-2, atol=1e-2)
     torch.testing.assert_close(out, ref, **tol)
 
 
