@@ -77,6 +77,12 @@ def _eval(args) -> None:
     module(args.eval_command).main(args)
 
 
+def _random_model(args) -> None:
+    from sketchkv.models.presets import save_random_checkpoint
+    save_random_checkpoint(args.preset, args.out, args.seed)
+    print(f"wrote {args.out} ({args.preset}, random weights)")
+
+
 DEFAULT_PROMPT = "import torch\nfrom torch import nn\n\n\nclass"
 
 
@@ -97,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_dataclass_args(g)
     g.set_defaults(func=_generate)
+    r = sub.add_parser("random-model", help="write a random-weight checkpoint of a named shape (a stand-in for "
+                                            "smoke runs: its text is noise)")
+    r.add_argument("preset", help="tiny-hybrid | qwen3.5-27b")
+    r.add_argument("out", help="directory to write (config.json, model.safetensors, tokenizer)")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=_random_model)
     f = sub.add_parser("fit-basis", help="fit the frozen key basis that sparse decode sketches keys with")
     f.add_argument("--model", default=default_model(), help="Hugging Face model directory (default: bundled)")
     f.add_argument("calibration", nargs="*", help="calibration files/dirs (default: the set shipped with the "

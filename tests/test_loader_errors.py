@@ -124,3 +124,22 @@ def test_cli_generates_text(ckpt):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def f(x):") and "8 generated" in r.stderr
+
+
+def test_readme_main_job_random_stand_in(tmp_path):
+    """The README's first command: write a random tiny hybrid, then generate from it."""
+    d = str(tmp_path / "tiny")
+    r = subprocess.run([sys.executable, "-m", "sketchkv", "random-model", "tiny-hybrid", d],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "sketchkv", "generate", "--model", d, "--max-tokens", "8",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "generated" in r.stderr
+
+
+def test_missing_bundled_model_explains_itself(monkeypatch):
+    import sketchkv.config as config
+    monkeypatch.setattr(config, "default_model", lambda: "/nonexistent/reference-model")
+    with pytest.raises(CheckpointError, match="bundled reference model is not in this install"):
+        _load("/nonexistent/reference-model")

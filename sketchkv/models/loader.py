@@ -24,6 +24,10 @@ SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 
 def load_config(path: str) -> ModelConfig:
     if not os.path.isdir(path):
+        from sketchkv.config import default_model
+        if os.path.abspath(path) == os.path.abspath(default_model()):
+            raise CheckpointError(f"{path}: the bundled reference model is not in this install yet; pass --model DIR "
+                                  "(`sketchkv random-model tiny-hybrid DIR` writes a random stand-in)")
         raise CheckpointError(f"{path}: model directory not found")
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
