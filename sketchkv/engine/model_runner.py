@@ -9,6 +9,7 @@ from sketchkv.engine.context import Context, set_context
 from sketchkv.engine.sequence import Sequence
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.gated_deltanet import GatedDeltaNet
+from sketchkv.layers.mlp import SparseMoE
 from sketchkv.layers.sampler import SampleOutput, sample
 from sketchkv.kv.state_cache import StateCache
 from sketchkv.layers.sparse_attention import SparseAttention
@@ -40,7 +41,9 @@ class ModelRunner:
         self._allocate_states()
         self.num_blocks = cfg.cache.num_kv_blocks or self._blocks_from_budget()
         self._allocate_kv(self.num_blocks)
-        if device.type == "cuda" and not cfg.enforce_eager:
+        # The MoE block picks its experts on the host (a sync), which a CUDA graph cannot hold.
+        has_moe = any(isinstance(m, SparseMoE) for m in model.modules())
+        if device.type == "cuda" and not cfg.enforce_eager and not has_moe:
             self._capture_graphs()
 
     def _install_sparse_attention(self) -> None:
