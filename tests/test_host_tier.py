@@ -18,6 +18,7 @@ from sketchkv.kv.hot_buffer import HotBuffer
 from sketchkv.ops import host_gather as hg
 from sketchkv.ops import quant_kv as qk
 from sketchkv.ops.host_gather import host_gather, host_gather_ref, host_scatter_rows, host_scatter_rows_ref
+from conftest import run_interpreter_tests
 
 needs_interp = pytest.mark.skipif(not hg._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreter_child)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -562,12 +563,4 @@ def test_gpu_step_has_no_host_sync_and_matches_cpu():
 # ---- interpreter child -------------------------------------------------------------------------------
 
 def test_interpreter_child():
-    if hg._INTERPRETED:
-        pytest.skip("kernels already interpreted in this process; test_interp_* ran directly")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-k", "test_interp_", "-p", "no:cacheprovider"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+    run_interpreter_tests(__file__, hg._INTERPRETED)

@@ -18,6 +18,7 @@ import torch
 from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.paged_attention import gather_kv, paged_attention_decode, paged_attention_decode_ref
 from sketchkv.ops.prefill_attention import _masked_attention, prefix_causal_attention, prefix_causal_attention_ref
+from conftest import run_interpreter_tests
 
 needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreter_child)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -151,15 +152,8 @@ def test_interp_decode_kernel_batch_shapes(seq_lens, nan_empty):
 
 
 def test_interpreter_child():
-    if pa._INTERPRETED:
-        pytest.skip("kernels already interpreted in this process; test_interp_* ran directly")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-k", "test_interp_", "-p", "no:cacheprovider"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+    run_interpreter_tests(__file__, pa._INTERPRETED)
+
 
 
 # --- prefill with a cached prefix (CPU) -----------------------------------------------------------

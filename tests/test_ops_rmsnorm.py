@@ -8,6 +8,7 @@ import torch
 
 from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.rmsnorm import GATED, PLAIN, ZERO_CENTERED, rms_norm, rms_norm_ref
+from conftest import run_interpreter_tests
 
 needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 
@@ -41,11 +42,8 @@ def test_interp_kernel_matches_reference(kind, dtype):
 
 
 def test_interpreter_child():
-    if pa._INTERPRETED:
-        pytest.skip("already running under the interpreter")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", __file__, "-k", "test_interp_", "-p", "no:cacheprovider"],
-                       env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "6 passed" in r.stdout, r.stdout[-2000:]
+    run_interpreter_tests(__file__, pa._INTERPRETED)
+
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import dequantize_int4, quantize_int4, sketch_score, sketch_score_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import topk, topk_positions, topk_ref
+from conftest import run_interpreter_tests
 
 needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 
@@ -116,13 +117,8 @@ def test_interp_sparse_attention_kernel_matches_reference(shared):
 
 
 def test_interpreter_child():
-    if pa._INTERPRETED:
-        pytest.skip("already running under the interpreter")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "test_interp_", "-p", "no:cacheprovider"],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "passed" in r.stdout and "skipped" not in r.stdout.strip().split("\n")[-1]
+    run_interpreter_tests(__file__, pa._INTERPRETED)
+
 
 
 @pytest.fixture(scope="module")
