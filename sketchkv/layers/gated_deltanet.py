@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from sketchkv.engine.context import get_context
 from sketchkv.layers.norms import GatedRMSNorm
+from sketchkv.models.fuse import fuse_linears
 from sketchkv.ops.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen, conv_state_shape
 from sketchkv.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_varlen
 
@@ -30,6 +31,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         # Bound by the model runner: one row per sequence slot
         self.conv_state = self.ssm_state = torch.tensor([])
+        self.in_proj = None  # fused [qkv; z; b; a] weight, see models/fuse.py
+
+    def fuse_projections(self) -> None:
+        self.in_proj = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def state_shapes(self) -> tuple[tuple, tuple]:
         """Per-slot (conv, recurrent) state shapes; the recurrent state is kept in fp32."""
@@ -39,10 +44,14 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         T = x.shape[0]
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        if self.in_proj is not None:
+            qkv, z, b, a = F.linear(x, self.in_proj).split(
+                [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+            qkv = qkv.contiguous()  # the conv kernels take dense rows
+        else:
+            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         w = self.conv1d.weight.squeeze(1)
         if ctx.is_decode:
             qkv = causal_conv1d_decode(qkv, w, None, self.conv_state, ctx.state_slots)

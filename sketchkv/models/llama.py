@@ -3,12 +3,14 @@
 Every layer is full attention; same runtime as the hybrids, with no Gated DeltaNet state.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.mlp import MLP
 from sketchkv.layers.norms import RMSNorm
 from sketchkv.layers.rotary import RotaryEmbedding
+from sketchkv.models.fuse import fuse_linears
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.models.weights import default_load_weight
 
@@ -26,12 +28,18 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(D, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(H, Hkv, D, D ** -0.5)
+        self.qkv = None  # fused [q; k; v] weight (bias-free models), see models/fuse.py
+
+    def fuse_projections(self) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is not None:
+            q, k, v = F.linear(x, self.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from sketchkv.errors import CheckpointError
+from sketchkv.models.fuse import fuse_projections
 from sketchkv.models.llama import LlamaForCausalLM
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.models.presets import preset_config, randomize
@@ -105,6 +106,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Mod
         cfg, _ = preset_config(path[len("random:"):])
         model = build_model(cfg, dtype, device)
         randomize(model)
+        fuse_projections(model)
         return cfg, model.eval()
     cfg = load_config(path)
     files = weight_files(path)
@@ -136,6 +138,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Mod
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:3])}{more}")
+    fuse_projections(model)
     model.eval()
     return cfg, model
 

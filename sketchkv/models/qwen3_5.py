@@ -6,6 +6,7 @@ sparse MoE and stores the GDN projections interleaved per key head; the loader d
 them so one GDN module serves both.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sketchkv.layers.attention import Attention
@@ -13,6 +14,7 @@ from sketchkv.layers.gated_deltanet import GatedDeltaNet
 from sketchkv.layers.mlp import MLP, SparseMoE
 from sketchkv.layers.norms import ZeroCenteredRMSNorm
 from sketchkv.layers.rotary import RotaryEmbedding
+from sketchkv.models.fuse import fuse_linears
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.models.weights import default_load_weight
 
@@ -30,13 +32,21 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(D, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(D, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(H, Hkv, D, D ** -0.5)
+        self.qkv = None  # fused [q+gate; k; v] weight, see models/fuse.py
+
+    def fuse_projections(self) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is not None:
+            qg, k, v = F.linear(x, self.qkv).split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = qg.view(T, H, 2 * D).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.view(T, Hkv, D))
+        v = v.reshape(T, Hkv, D)
         q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v).reshape(T, -1)
         return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
