@@ -8,6 +8,7 @@ from sketchkv.layers.norms import GatedRMSNorm
 from sketchkv.models.fuse import fuse_linears
 from sketchkv.ops.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen, conv_state_shape
 from sketchkv.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_varlen
+from sketchkv.ops.gdn_gates import gdn_gates
 
 
 class GatedDeltaNet(nn.Module):
@@ -50,8 +51,7 @@ class GatedDeltaNet(nn.Module):
             qkv = qkv.contiguous()  # the conv kernels take dense rows
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         w = self.conv1d.weight.squeeze(1)
         if ctx.is_decode:
             qkv = causal_conv1d_decode(qkv, w, None, self.conv_state, ctx.state_slots)

@@ -1,4 +1,4 @@
-"""Fused RMSNorm kernel against its reference (interpreter on CPU, real sizes on the GPU)."""
+"""Fused RMSNorm and Gated DeltaNet gate kernels against their references (interpreter on CPU, real sizes on the GPU)."""
 import os
 import subprocess
 import sys
@@ -56,3 +56,27 @@ def test_gpu_kernel_matches_reference(kind):
     ref = rms_norm_ref(x, w, 1e-6, kind, g)
     # same roundings; only the fp32 reduction order differs -> at most one bf16 ulp here and there
     assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 1.6e-2 + 1e-3).all()
+
+
+# ---- Gated DeltaNet gates (same file: small elementwise kernels of the decode step) ----------------
+
+def test_gdn_gates_reference_matches_transformers_formula():
+    from sketchkv.ops.gdn_gates import gdn_gates_ref
+    a, b = torch.randn(9, 6, dtype=torch.bfloat16) * 4, torch.randn(9, 6, dtype=torch.bfloat16)
+    A_log, dt = torch.rand(6).log(), torch.rand(6)
+    g, beta = gdn_gates_ref(a, b, A_log, dt)
+    assert torch.equal(beta, b.sigmoid())
+    assert torch.allclose(g, -A_log.exp() * torch.nn.functional.softplus(a.float() + dt))
+
+
+@needs_interp
+def test_interp_gdn_gates_kernel_matches_reference():
+    from sketchkv.ops.gdn_gates import gdn_gates, gdn_gates_ref
+    torch.manual_seed(3)
+    a = torch.randn(7, 48) * 12          # both sides of softplus's threshold
+    b = torch.randn(7, 48)
+    A_log, dt = torch.rand(48).log(), torch.randn(48)
+    g, beta = gdn_gates(a, b, A_log, dt)
+    rg, rb = gdn_gates_ref(a, b, A_log, dt)
+    torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(beta, rb, rtol=1e-5, atol=1e-6)
