@@ -34,6 +34,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+if REPO not in sys.path:  # the sketchkv package of this checkout
+    sys.path.insert(0, REPO)
+from sketchkv.eval.common import answer_span  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -65,15 +68,6 @@ def load_model(ckpt_dir, device):
     load_info["unexpected_keys"] = f"{len(load_info.get('unexpected_keys', []))} keys (mtp.* are expected here)"
     load_info["mtp_state_problems"] = mtp_missing
     return model, mtp, load_info
-
-
-def answer_span(offsets, a: int, b: int) -> tuple[int, int]:
-    """Token range [k0, k1) of the answer characters [a, b): k0 = first token ending after a."""
-    k0 = next(i for i, (s, e) in enumerate(offsets) if e > a)
-    k1 = k0
-    while k1 < len(offsets) and offsets[k1][0] < b:
-        k1 += 1
-    return k0, k1
 
 
 def teacher_forced(model, ids, k0: int, k1: int, device):

@@ -4,10 +4,7 @@ Kernels under TRITON_INTERPRET=1: as in test_ops_attention.py, the `test_interp_
 where the kernels were built for the interpreter (hg._INTERPRETED); `test_interpreter_child` re-runs
 them in a fresh `python -m pytest` child with TRITON_INTERPRET=1. GPU tests carry the `gpu` marker.
 """
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """Bad checkpoints fail at load with one line naming the file or tensor; the CLI exits non-zero without a traceback."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 

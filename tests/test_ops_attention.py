@@ -7,10 +7,6 @@ therefore run only where the kernels were built for the interpreter (pa._INTERPR
 `test_interpreter_child` re-runs them in a fresh `python -m pytest` child with TRITON_INTERPRET=1.
 If the whole suite is started with TRITON_INTERPRET=1 they run in-process and the child is skipped.
 """
-import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch

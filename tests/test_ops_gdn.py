@@ -24,7 +24,7 @@ from sketchkv.ops.causal_conv1d import (causal_conv1d_decode, causal_conv1d_deco
                                         conv_state_shape)
 from sketchkv.ops.gated_delta_rule import (gated_delta_rule_decode, gated_delta_rule_decode_fla,
                                            gated_delta_rule_decode_ref, gated_delta_rule_varlen,
-                                           gated_delta_rule_varlen_fla, gated_delta_rule_varlen_ref)
+                                           gated_delta_rule_varlen_ref)
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 try:

@@ -1,7 +1,4 @@
 """Fused RMSNorm and Gated DeltaNet gate kernels against their references (interpreter on CPU, real sizes on the GPU)."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch

@@ -106,7 +106,7 @@ def test_teacher_force_matches_full_forward(llm):
     assert lp[0].shape == (12, llm.engine.model_config.vocab_size) and lp[1].shape[0] == 5
     eng = LLM(llm.engine.cfg.model, device="cpu", block_size=16, enable_prefix_caching=False).engine
     full = prompt + cont
-    seq = eng.add_request(full, SamplingParams(max_tokens=1))
+    eng.add_request(full, SamplingParams(max_tokens=1))
     batch = eng.scheduler.schedule()
     ref = torch.log_softmax(eng.runner.logits_for(batch).float(), -1)[len(prompt) - 1:len(full) - 1]
     torch.testing.assert_close(lp[0], ref, rtol=1e-4, atol=1e-4)

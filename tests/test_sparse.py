@@ -1,7 +1,5 @@
 """Sparse decode: key basis, int4 sketches, deterministic selection, exactness with top_k >= context."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch

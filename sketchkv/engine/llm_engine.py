@@ -10,7 +10,7 @@ import torch
 from sketchkv.config import EngineConfig
 from sketchkv.engine.model_runner import ModelRunner
 from sketchkv.engine.scheduler import Scheduler
-from sketchkv.engine.sequence import Sequence, Status
+from sketchkv.engine.sequence import Sequence
 from sketchkv.errors import RequestError
 from sketchkv.kv.block_manager import BlockManager
 from sketchkv.models.loader import load_model
@@ -208,8 +208,10 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def _stop_string(self, seq: Sequence) -> str | None:
-        # Only the tail can hold a new match: decode a window covering the longest stop string.
-        text = self.tokenizer.decode(seq.output_token_ids)
+        # A new match ends in the newest token, so a tail window of tokens covering the longest stop
+        # string (twice, for characters split across tokens) is enough: no O(n^2) re-decoding.
+        window = 2 * max(len(s) for s in seq.params.stop) + 4
+        text = self.tokenizer.decode(seq.output_token_ids[-window:])
         for s in seq.params.stop:
             if s in text:
                 seq.stop_reason = s

@@ -1,5 +1,6 @@
 """Turns a scheduled batch into tensors, runs the model, samples. Owns the KV cache, the Gated
 DeltaNet state slots and the decode CUDA graphs."""
+import itertools
 import math
 
 import torch
@@ -175,20 +176,12 @@ class ModelRunner:
     def run(self, batch: list[tuple[Sequence, int]], sample_now: bool = True) -> SampleOutput | torch.Tensor:
         """One model step. Returns samples for the sequences whose last token was computed
         (decodes, and prefills that reached the end of their tokens)."""
-        self._zero_fresh_slots(batch)
-        input_ids, positions, ctx = self._context(batch)
-        bucket = self._graph_bucket(len(batch)) if ctx.is_decode else None
-        if bucket is not None:
-            hidden = self._replay(input_ids, positions, ctx, (ctx.sparse, bucket))
-        else:
-            set_context(ctx)
-            hidden = self.model(input_ids, positions)
-            set_context(None)
+        hidden, ctx = self._forward(batch, graphs=True)
         last = [i for i, (seq, n) in enumerate(batch) if seq.num_cached + n == len(seq)]
-        rows = torch.tensor([sum(ctx.query_lens[:i + 1]) - 1 for i in last], dtype=torch.long, device=self.device) \
-            if not ctx.is_decode else None
-        h = hidden if ctx.is_decode else hidden[rows]
-        logits = self.model.compute_logits(h)
+        if not ctx.is_decode:  # only the final row of each sequence that completed its tokens
+            ends = list(itertools.accumulate(ctx.query_lens))
+            hidden = hidden[torch.tensor([ends[i] - 1 for i in last], dtype=torch.long, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         if not sample_now:
             return logits
         seqs = [batch[i][0] for i in last]
@@ -197,12 +190,20 @@ class ModelRunner:
     @torch.inference_mode()
     def logits_for(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Logits at every new token of the step (teacher-forced evaluation), [T, vocab]."""
+        return self.model.compute_logits(self._forward(batch, graphs=False)[0])
+
+    def _forward(self, batch, graphs: bool) -> tuple[torch.Tensor, Context]:
+        """Hidden states of the step's new tokens; pure decode steps replay a CUDA graph."""
         self._zero_fresh_slots(batch)
         input_ids, positions, ctx = self._context(batch)
+        bucket = self._graph_bucket(len(batch)) if graphs and ctx.is_decode else None
+        if bucket is not None:
+            return self._replay(input_ids, positions, ctx, (ctx.sparse, bucket)), ctx
         set_context(ctx)
-        hidden = self.model(input_ids, positions)
-        set_context(None)
-        return self.model.compute_logits(hidden)
+        try:
+            return self.model(input_ids, positions), ctx
+        finally:
+            set_context(None)
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------
     def _graph_bucket(self, bs: int) -> int | None:

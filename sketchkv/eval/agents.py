@@ -294,14 +294,9 @@ def write_outputs(results: dict, out_dir: str, name: str) -> dict:
 
 
 def markdown(r: dict, png: str) -> str:
-    from sketchkv.eval.kld import _data_line
-    s, info = r["settings"], r["info"]
+    s = r["settings"]
     T = s["turns"]
-    lines = [f"# Multi-turn agent recall ({os.path.basename(info['model'].rstrip('/'))})", "",
-             f"- command: `{info['command']}`",
-             f"- date {info['date']}; device {info['device']}; torch {info['torch']}; engine options "
-             f"{info['base_options'] or '(defaults)'}",
-             f"- data: {_data_line(r['data'])}",
+    lines = C.report_header("Multi-turn agent recall", r) + [
              f"- {s['samples']} conversations per length, seed {s['seed']}: one document with {T} far-apart parts "
              f"({'/'.join(s['kinds'])}, cycled) at spread depths, then {T} questions, one per part, in shuffled "
              "order; every turn re-sends the whole conversation (prefix cache) and the answer is generated "

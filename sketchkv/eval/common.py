@@ -366,7 +366,7 @@ def concat_documents(docs: list[Doc]) -> tuple[str, list[int]]:
 
 
 def answer_span(offsets, a: int, b: int) -> tuple[int, int]:
-    """Token range [k0, k1) covering the answer characters [a, b) (as scripts/eval_reference.py)."""
+    """Token range [k0, k1) covering the answer characters [a, b) (also used by scripts/eval_reference.py)."""
     k0 = next(i for i, (s, e) in enumerate(offsets) if e > a)
     k1 = k0
     while k1 < len(offsets) and offsets[k1][0] < b:
@@ -377,6 +377,21 @@ def answer_span(offsets, a: int, b: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------------------
 # Statistics and outputs
 # ----------------------------------------------------------------------------------------------------------
+def report_header(title: str, r: dict) -> list[str]:
+    """The first Markdown lines of every eval report: title, command, machine, data."""
+    info, d = r["info"], r["data"]
+    if "heldout_json" in d:
+        data = (f"held-out packages {', '.join(d.get('packages') or [])} per {d['heldout_json']} "
+                f"({d['files_read']} files under {d['root']})")
+    else:
+        data = f"{d['files_read']} files from {', '.join(d['paths'])}"
+    return [f"# {title} ({os.path.basename(info['model'].rstrip('/'))})", "",
+            f"- command: `{info['command']}`",
+            f"- date {info['date']}; device {info['device']}; torch {info['torch']}; engine options "
+            f"{info['base_options'] or '(defaults)'}",
+            f"- data: {data}"]
+
+
 def quantile(values, q: float) -> float | None:
     import numpy as np
     v = np.asarray(values, dtype=np.float64)

@@ -286,12 +286,8 @@ def write_outputs(results: dict, out_dir: str, name: str) -> dict:
 
 
 def markdown(r: dict, png: str) -> str:
-    s, info = r["settings"], r["info"]
-    lines = [f"# KL divergence against dense ({os.path.basename(info['model'].rstrip('/'))})", "",
-             f"- command: `{info['command']}`",
-             f"- date {info['date']}; device {info['device']}; torch {info['torch']}; engine options "
-             f"{info['base_options'] or '(defaults)'}",
-             f"- data: {_data_line(r['data'])}",
+    s = r["settings"]
+    lines = C.report_header("KL divergence against dense", r) + [
              f"- {s['samples']} samples per length, {s['continuation']} scored tokens each, seed {s['seed']}; "
              f"scored positions: {s['scored_positions']}",
              f"- reference: {s['reference']}",
@@ -346,13 +342,6 @@ def markdown(r: dict, png: str) -> str:
               "and the 95% interval of the mean (1.96 · sample std / √n). Configuration rows run as separate engines; "
               f"total time {r.get('seconds', '–')} s.", ""]
     return "\n".join(lines)
-
-
-def _data_line(d: dict) -> str:
-    if "heldout_json" in d:
-        return (f"held-out packages {', '.join(d.get('packages') or [])} per {d['heldout_json']} "
-                f"({d['files_read']} files under {d['root']})")
-    return f"{d['files_read']} files from {', '.join(d['paths'])}"
 
 
 def plot(r: dict, path: str) -> None:

@@ -201,14 +201,9 @@ def write_outputs(results: dict, out_dir: str, name: str) -> dict:
 
 
 def markdown(r: dict, png: str) -> str:
-    from sketchkv.eval.kld import _data_line
-    s, info = r["settings"], r["info"]
+    s = r["settings"]
     kinds = s["kinds"]
-    lines = [f"# Long-range recall ({os.path.basename(info['model'].rstrip('/'))})", "",
-             f"- command: `{info['command']}`",
-             f"- date {info['date']}; device {info['device']}; torch {info['torch']}; engine options "
-             f"{info['base_options'] or '(defaults)'}",
-             f"- data: {_data_line(r['data'])}",
+    lines = C.report_header("Long-range recall", r) + [
              f"- {s['samples']} documents per length and kind, seed {s['seed']}; lookup registry of "
              f"{s['registry_entries']} entries at 1-5% depth; copy: a held-out function at 1-5% depth repeated at "
              f"the end", f"- method: {s['method']}", "", "## Configurations", ""]

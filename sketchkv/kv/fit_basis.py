@@ -4,7 +4,6 @@ import glob
 import os
 import time
 
-import torch
 from tqdm import tqdm
 
 from sketchkv.errors import SketchKVError

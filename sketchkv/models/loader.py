@@ -115,13 +115,14 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Mod
     model = build_model(cfg, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
+    has_mtp = any(n.startswith("mtp.") for n in params)
     dev = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
     for file in files:
         try:
             with safe_open(file, framework="pt", device=dev) as f:
                 for key in f.keys():
                     name = normalize_name(key)
-                    if name is None or (name.startswith("mtp.") and model_has_no(params, "mtp.")):
+                    if name is None or (name.startswith("mtp.") and not has_mtp):
                         continue
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue
@@ -141,10 +142,6 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Mod
     fuse_projections(model)
     model.eval()
     return cfg, model
-
-
-def model_has_no(params: dict, prefix: str) -> bool:
-    return not any(n.startswith(prefix) for n in params)
 
 
 def _filled_by_slices(name: str, params: dict, filled: set[str]) -> bool:
