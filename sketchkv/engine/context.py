@@ -22,6 +22,10 @@ class Context:
     is_decode: bool                   # every sequence has exactly one new token
     max_seq_len: int
     sparse: bool = False              # decode runs sparse attention layers in sparse mode this step
+    # Mixed steps only: the one-token rows of running sequences, decoded as a sub-batch
+    decode_rows: torch.Tensor | None = None   # [Bd] row of each such sequence's token in the flat batch
+    decode_seqs: torch.Tensor | None = None   # [Bd] its index in the batch
+    decode_max_len: int = 0
     graph: bool = False               # captured in a CUDA graph: shapes must not depend on values
 
     @property

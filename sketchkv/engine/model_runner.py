@@ -152,6 +152,10 @@ class ModelRunner:
             query_lens=qlens, context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
             max_seq_len=max(c + n for c, n in zip(cached, qlens)))
         ctx.sparse = bool(self.sparse_layers) and ctx.max_seq_len > self.dense_threshold
+        dec = [b for b, (n, c) in enumerate(zip(qlens, cached)) if n == 1 and c > 0]
+        if dec and not ctx.is_decode:
+            ctx.decode_rows, ctx.decode_seqs = t([cu[b] for b in dec], torch.int64), t(dec, torch.int64)
+            ctx.decode_max_len = max(cached[b] + 1 for b in dec)
         return t(ids, torch.int64), t(pos, torch.int64), ctx
 
     def _zero_fresh_slots(self, batch) -> None:

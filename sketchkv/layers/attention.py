@@ -34,25 +34,20 @@ class Attention(nn.Module):
         # continuous batching never turns a long decode into a full prefill-style gather), prompt
         # chunks attend over their cached prefix.
         out = torch.empty_like(q)
-        starts = [0]
-        for n in ctx.query_lens:
-            starts.append(starts[-1] + n)
-        dec = [b for b, (n, c) in enumerate(zip(ctx.query_lens, ctx.context_lens)) if n == 1 and c > 0]
-        if dec:
-            rows = torch.tensor([starts[b] for b in dec], device=q.device)
-            sub = torch.tensor(dec, device=q.device)
-            longest = max(ctx.context_lens[b] + 1 for b in dec)
-            out[rows] = self.decode(q[rows], ctx.block_tables[sub], ctx.seq_lens[sub],
-                                    longest > self.dense_threshold, False, longest)
+        if ctx.decode_rows is not None:
+            sub = ctx.decode_seqs
+            out[ctx.decode_rows] = self.decode(q[ctx.decode_rows], ctx.block_tables[sub], ctx.seq_lens[sub],
+                                               ctx.decode_max_len > self.dense_threshold, False, ctx.decode_max_len)
+        end = 0
         for b, (n, cached) in enumerate(zip(ctx.query_lens, ctx.context_lens)):
-            if n == 1 and cached > 0:
+            start, end = end, end + n
+            if n == 1 and cached > 0:  # decoded above
                 continue
-            s = starts[b]
             if cached == 0:  # fresh prompt: its K/V are exactly this step's rows
-                kb, vb = k[s:s + n], v[s:s + n]
+                kb, vb = k[start:end], v[start:end]
             else:
                 kb, vb = gather_kv(self.k_cache, self.v_cache, ctx.block_tables[b], cached + n)
-            out[s:s + n] = prefix_causal_attention(q[s:s + n], kb.to(q.dtype), vb.to(q.dtype), self.scale)
+            out[start:end] = prefix_causal_attention(q[start:end], kb.to(q.dtype), vb.to(q.dtype), self.scale)
         return out
 
     dense_threshold = float("inf")  # the sparse layer sets its own
