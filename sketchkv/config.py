@@ -47,6 +47,7 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"help": "auto: cuda if available else cpu"})
     seed: int = 0
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs for decode"})
+    num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: tokens drafted per step by the checkpoint's mtp.* layer, verified in one target step (0 = off)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)

@@ -72,6 +72,26 @@ def make_checkpoint(path: str, model_type: str, seed: int = 0, **overrides):
     return model
 
 
+def add_mtp(path: str, seed: int = 0, std: float = 0.05) -> None:
+    """Give a saved qwen3_5 / qwen3_next checkpoint a random MTP layer (mtp.* tensors, as real
+    checkpoints and scripts/train_reference.py store them; transformers drops them)."""
+    from safetensors.torch import load_file, save_file
+    from sketchkv.models.loader import build_model, load_config
+    cfg_file = os.path.join(path, "config.json")
+    raw = json.load(open(cfg_file))
+    raw["mtp_num_hidden_layers"] = 1
+    json.dump(raw, open(cfg_file, "w"))
+    model = build_model(load_config(path), torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            spread = 0.1 if "norm" in name else std
+            tensors[name] = (torch.randn(p.shape, generator=g) * spread).to(p.dtype).contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
 @pytest.fixture
 def tiny_checkpoint(tmp_path):
     def make(model_type: str, **overrides):

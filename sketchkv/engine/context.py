@@ -11,6 +11,16 @@ import torch
 
 
 @dataclass
+class VerifyRows:
+    """A step with draft tokens to verify: Gated DeltaNet layers advance the decoding sequences one
+    position at a time and keep the state after each position (to roll back to the accepted one)."""
+    steps: list[tuple[torch.Tensor, torch.Tensor]]  # position t: (flat row, state slot) of each decoding sequence with > t rows
+    other_rows: torch.Tensor | None = None          # rows of the other sequences (prefill chunks), varlen as usual
+    other_slots: torch.Tensor | None = None
+    other_cu: torch.Tensor | None = None
+
+
+@dataclass
 class Context:
     cu_seqlens_q: torch.Tensor        # [B+1] int32: sequence b's new tokens are rows cu[b]:cu[b+1]
     seq_lens: torch.Tensor            # [B] int32: tokens in the cache after this step (cached + new)
@@ -26,11 +36,20 @@ class Context:
     decode_rows: torch.Tensor | None = None   # [Bd] row of each such sequence's token in the flat batch
     decode_seqs: torch.Tensor | None = None   # [Bd] its index in the batch
     decode_max_len: int = 0
+    decode_lens: torch.Tensor | None = None   # [Bd] tokens visible to each decode row (its position + 1); None: seq_lens
     graph: bool = False               # captured in a CUDA graph: shapes must not depend on values
+    # Speculative steps: a decoding sequence's draft tokens follow its last token; all its rows are
+    # decode rows (causal: row t sees the cache up to its own position)
+    num_drafts: list[int] | None = None       # per sequence
+    verify: VerifyRows | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def decodes(self, b: int) -> bool:
+        """Sequence b's rows are decode rows (one token, or one token plus drafts), not a prompt chunk."""
+        return self.context_lens[b] > 0 and (self.query_lens[b] == 1 or bool(self.num_drafts and self.num_drafts[b]))
 
 
 _CONTEXT: Context | None = None

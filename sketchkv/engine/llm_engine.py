@@ -13,6 +13,8 @@ from sketchkv.engine.scheduler import Scheduler
 from sketchkv.engine.sequence import Sequence
 from sketchkv.errors import RequestError
 from sketchkv.kv.block_manager import BlockManager
+from sketchkv.layers.rejection_sampler import VerifyOutput
+from sketchkv.layers.sampler import SampleOutput
 from sketchkv.models.loader import load_model
 from sketchkv.models.tokenizer import Tokenizer
 from sketchkv.sampling_params import SamplingParams
@@ -72,7 +74,8 @@ class LLMEngine:
         cc = cfg.cache
         self.scheduler = Scheduler(sc, self.blocks, sc.max_num_seqs, prefix_caching=cc.enable_prefix_caching,
                                    states=self.runner.state_cache,
-                                   snapshot_interval=cc.snapshot_interval_blocks * cc.block_size)
+                                   snapshot_interval=cc.snapshot_interval_blocks * cc.block_size,
+                                   num_speculative_tokens=cfg.num_speculative_tokens)
         self.rng = torch.Generator(device=self.device)
         self.rng.manual_seed(cfg.seed)
         self.requests: dict[str, Sequence] = {}
@@ -130,28 +133,58 @@ class LLMEngine:
                 raise RequestError(f"request {seq.request_id}: {len(seq)} tokens do not fit the KV cache "
                                    f"({self.blocks.num_blocks - 1} blocks of {self.blocks.block_size})")
             return []
+        spec = self.runner.spec
+        if spec is not None:
+            spec.propose(batch)  # draft tokens for the running sequences given 1 + k rows
+        starts = [seq.num_cached for seq, _ in batch]
+        ends = [i for i, (seq, n) in enumerate(batch) if seq.num_cached + n - seq.num_drafts(n) == len(seq)]
+        done = [batch[i][0] for i in ends]  # sequences that get new tokens this step
         out = self.runner.run(batch)
-        self._after_run(batch)
-        done = [seq for seq, n in batch if seq.num_cached == len(seq)]
+        if isinstance(out, SampleOutput):
+            out = VerifyOutput.from_sample(out)
+            self._after_run(batch)
+        else:  # speculative: accepted drafts join the cache, rejected rows roll back
+            for seq, toks in zip(done, out.tokens):
+                seq.token_ids += toks[:-1]
+            spec.commit(done, out)
+            advance = [n - seq.num_drafts(n) for seq, n in batch]
+            for i, a in zip(ends, out.num_accepted):
+                advance[i] += a
+            self._after_run(batch, advance, starts)
+            for seq, toks in zip(done, out.tokens):
+                seq.token_ids.append(toks[-1])  # pending, like a sampled token; the drafter reads it
+            spec.catch_up(batch, starts)
+            for seq, toks in zip(done, out.tokens):  # emitted one by one below, through the stop checks
+                del seq.token_ids[len(seq) - len(toks):]
+            self.stats.update({k: v for k, v in spec.metrics().items() if not isinstance(v, list)})
         outputs = []
         for i, seq in enumerate(done):
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
                 self.stats["prompt_tokens"] += seq.num_prompt_tokens
-            seq.token_ids.append(out.tokens[i])
-            self.stats["generation_tokens"] += 1
-            if out.logprobs[i] is not None:
-                seq.logprobs.append(out.logprobs[i])
-                seq.top_logprobs.append(out.top_logprobs[i])
-            self._check_stop(seq)
+            for tok, lp, top in zip(out.tokens[i], out.logprobs[i], out.top_logprobs[i]):
+                seq.token_ids.append(tok)
+                self.stats["generation_tokens"] += 1
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                    seq.top_logprobs.append(top)
+                self._check_stop(seq)
+                if seq.is_finished:  # tokens after a stop are dropped
+                    break
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
         return outputs
 
-    def _after_run(self, batch) -> None:
+    def _after_run(self, batch, advance: list[int] | None = None, starts: list[int] | None = None) -> None:
         """Caches advanced by one step: register blocks, save due GDN snapshots, log long prefills."""
-        self.scheduler.after_step(batch)
+        self.scheduler.after_step(batch, advance)
+        if advance is not None:  # a snapshot point passed inside a verified run: its state was kept
+            for seq, s in zip((seq for seq, _ in batch), starts):
+                for pos in range(s + 1, seq.num_cached):
+                    if self.scheduler.snapshot_point(seq, pos):
+                        self.runner.state_cache.save(seq.block_hashes[pos // self.blocks.block_size - 1],
+                                                     self.runner.spec.slot_states(seq.state_slot, pos - s - 1))
         for seq, n in batch:  # the slot now holds the state after exactly num_cached tokens
             if n > 1 and len(seq) >= LONG_PREFILL:
                 took = time.monotonic() - seq.arrival

@@ -34,6 +34,13 @@ class ModelRunner:
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
         self.gdn_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        self.num_spec = cfg.num_speculative_tokens
+        self.spec = None  # speculative decoding (engine/speculative.py)
+        self.mtp_attn_layers = []
+        if self.num_spec:
+            from sketchkv.engine.speculative import Speculator
+            self.mtp_attn_layers = Speculator.mtp_layers(model)
+            self.spec = Speculator(self, self.num_spec)
         self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (sparse family, batch bucket)
         self.state_cache = StateCache(int(cfg.cache.state_cache_gb * 2**30), pin=device.type == "cuda") \
             if self.gdn_layers and cfg.cache.enable_prefix_caching else None
@@ -67,7 +74,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """K + V rows, plus the int4 sketch and its scale for sparse layers, per block of tokens."""
         c = self.model_cfg
-        kv = 2 * len(self.attn_layers) * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        kv = 2 * (len(self.attn_layers) + len(self.mtp_attn_layers)) * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         sketch = sum(self.block_size * c.num_kv_heads * (m.rank // 2 + 2) for m in self.sparse_layers)
         return kv + sketch
 
@@ -84,6 +91,11 @@ class ModelRunner:
             conv, rec = m.state_shapes()
             m.conv_state = torch.zeros(self.num_state_slots, *conv, dtype=self.dtype, device=self.device)
             m.ssm_state = torch.zeros(self.num_state_slots, *rec, dtype=torch.float32, device=self.device)
+            if self.num_spec:  # states after each verified position but the last, to roll back to
+                m.conv_spec = torch.zeros(self.num_state_slots, self.num_spec, *conv, dtype=self.dtype,
+                                          device=self.device)
+                m.ssm_spec = torch.zeros(self.num_state_slots, self.num_spec, *rec, dtype=torch.float32,
+                                         device=self.device)
 
     def _allocate_kv(self, num_blocks: int) -> None:
         c = self.model_cfg
@@ -91,6 +103,10 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
             m.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             m.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for m in self.mtp_attn_layers:  # zeros: blocks cached without a drafter pass must not hold NaNs
+            shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+            m.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            m.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for m in self.sparse_layers:
             m.sketch = torch.zeros(num_blocks, self.block_size, c.num_kv_heads, m.rank // 2, dtype=torch.uint8,
                                    device=self.device)
@@ -133,7 +149,7 @@ class ModelRunner:
         ids, pos, slots = [], [], []
         for seq, n in batch:
             start = seq.num_cached
-            ids += seq.token_ids[start:start + n]
+            ids += (seq.token_ids[start:start + n] + seq.draft_token_ids)[:n]  # drafts follow the last token
             pos += range(start, start + n)
             for p in range(start, start + n):
                 slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
@@ -152,10 +168,19 @@ class ModelRunner:
             query_lens=qlens, context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
             max_seq_len=max(c + n for c, n in zip(cached, qlens)))
         ctx.sparse = bool(self.sparse_layers) and ctx.max_seq_len > self.dense_threshold
-        dec = [b for b, (n, c) in enumerate(zip(qlens, cached)) if n == 1 and c > 0]
-        if dec and not ctx.is_decode:
-            ctx.decode_rows, ctx.decode_seqs = t([cu[b] for b in dec], torch.int64), t(dec, torch.int64)
-            ctx.decode_max_len = max(cached[b] + 1 for b in dec)
+        drafts = [seq.num_drafts(n) for seq, n in batch]
+        ctx.num_drafts = drafts if any(drafts) else None
+        dec = [b for b in range(len(batch)) if ctx.decodes(b)]
+        if dec and not ctx.is_decode:  # every row of a decoding sequence (1 + drafts) is a decode row
+            ctx.decode_rows = t([cu[b] + i for b in dec for i in range(qlens[b])], torch.int64)
+            ctx.decode_seqs = t([b for b in dec for _ in range(qlens[b])], torch.int64)
+            ctx.decode_max_len = max(cached[b] + qlens[b] for b in dec)
+            if ctx.num_drafts:
+                ctx.decode_lens = t([cached[b] + i + 1 for b in dec for i in range(qlens[b])], torch.int32)
+        if ctx.num_drafts:
+            from sketchkv.engine.speculative import verify_rows
+            ctx.verify = verify_rows(qlens, cu, [seq.state_slot for seq, _ in batch],
+                                     [ctx.decodes(b) for b in range(len(batch))], self.device)
         return t(ids, torch.int64), t(pos, torch.int64), ctx
 
     def _zero_fresh_slots(self, batch) -> None:
@@ -181,6 +206,8 @@ class ModelRunner:
         """One model step. Returns samples for the sequences whose last token was computed
         (decodes, and prefills that reached the end of their tokens)."""
         hidden, ctx = self._forward(batch, graphs=True)
+        if self.spec is not None and sample_now:  # -> VerifyOutput (accepted drafts + one token)
+            return self.spec.verify(batch, hidden)
         last = [i for i, (seq, n) in enumerate(batch) if seq.num_cached + n == len(seq)]
         if not ctx.is_decode:  # only the final row of each sequence that completed its tokens
             ends = list(itertools.accumulate(ctx.query_lens))

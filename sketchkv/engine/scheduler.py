@@ -16,11 +16,14 @@ from sketchkv.kv.state_cache import StateCache
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, num_state_slots: int,
-                 prefix_caching: bool = False, states: StateCache | None = None, snapshot_interval: int = 0):
+                 prefix_caching: bool = False, states: StateCache | None = None, snapshot_interval: int = 0,
+                 num_speculative_tokens: int = 0):
         """states: GDN snapshots (hybrid models; None for dense models, whose KV alone is the state).
         snapshot_interval: tokens between GDN snapshots (a multiple of the block size; 0 = only at
-        each prompt's last block boundary)."""
+        each prompt's last block boundary). num_speculative_tokens: drafts per running sequence
+        and step (fewer near its token limits or when blocks run short)."""
         self.cfg = cfg
+        self.num_spec = num_speculative_tokens
         self.blocks = blocks
         self.prefix_caching, self.states, self.snapshot_interval = prefix_caching, states, snapshot_interval
         self.prefix_queries = self.prefix_hits = 0
@@ -50,9 +53,10 @@ class Scheduler:
                     break
             if seq.status != Status.RUNNING:
                 continue
-            self.blocks.grow(seq, len(seq))
-            batch.append((seq, 1))
-            budget -= 1
+            k = self._num_drafts(seq, budget)
+            self.blocks.grow(seq, len(seq) + k)
+            batch.append((seq, 1 + k))
+            budget -= 1 + k
         in_flight = len(self.running)
         for seq in list(self.waiting):
             if budget <= 0:
@@ -74,6 +78,16 @@ class Scheduler:
             budget -= n
             in_flight += 1
         return batch
+
+    def _num_drafts(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens to verify after seq's last token this step (0: plain decode)."""
+        if not self.num_spec or not seq.spec_ready:
+            return 0
+        p = seq.params
+        k = min(self.num_spec, self.cfg.max_model_len - len(seq), budget - 1)
+        if p.max_tokens is not None:  # the step emits up to k + 1 tokens
+            k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
+        return k if k > 0 and self.blocks.can_grow(seq, len(seq) + k) else 0
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _reuse_prefix(self, seq: Sequence) -> None:
@@ -109,9 +123,15 @@ class Scheduler:
                     return pos - seq.num_cached
         return n
 
-    def after_step(self, batch: list[tuple[Sequence, int]]) -> None:
-        """Advance caches; a sequence whose prompt is now fully cached joins the running set."""
-        for seq, n in batch:
+    def after_step(self, batch: list[tuple[Sequence, int]], advance: list[int] | None = None) -> None:
+        """Advance caches; a sequence whose prompt is now fully cached joins the running set.
+        advance: tokens now cached per sequence when not all of its rows were kept (speculative
+        steps: the accepted drafts are already appended, the step's new token not yet); blocks that
+        only rejected rows used are freed."""
+        for i, (seq, n) in enumerate(batch):
+            if advance is not None:
+                n = advance[i]
+                self.blocks.shrink(seq, seq.num_cached + n + 1)  # cached tokens + the pending one
             seq.num_cached += n
             if self.prefix_caching:
                 self.blocks.register(seq)
@@ -132,6 +152,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.num_cached = 0
+        seq.spec_ready, seq.mtp_hidden = False, None
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -37,6 +37,11 @@ class Sequence:
     first_token_time: float | None = None
     num_prompt_cached: int = 0                            # prompt tokens served from the prefix cache
     generator: object = None                              # torch.Generator, set by the engine
+    # Speculative decoding (engine/speculative.py)
+    spec_ready: bool = False                              # the drafter has caught up: drafts may be scheduled
+    draft_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step, after the last token
+    draft_probs: object = None                            # [k, vocab] draft distribution (sampling), or None (greedy)
+    mtp_hidden: object = None                             # drafter state after the last computed token
 
     def __post_init__(self):
         if not self.token_ids:
@@ -58,6 +63,10 @@ class Sequence:
     @property
     def num_uncached(self) -> int:
         return len(self.token_ids) - self.num_cached
+
+    def num_drafts(self, n: int) -> int:
+        """Draft tokens in a step that runs `n` tokens of this sequence (0 for prefill chunks)."""
+        return max(0, n - self.num_uncached)
 
     @property
     def is_finished(self) -> bool:

@@ -48,6 +48,17 @@ class BlockManager:
             self.ref[b] = 1
             seq.block_table.append(b)
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the tail blocks `seq` no longer needs to hold `num_tokens` tokens (blocks grown for
+        draft tokens that were rejected; never hashed, so they go to the front of the free list)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+                self.free.move_to_end(b, last=False)
+
     def release(self, seq: Sequence) -> None:
         for b in reversed(seq.block_table):  # the tail first: prefixes are more likely reused
             self.ref[b] -= 1

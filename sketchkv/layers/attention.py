@@ -32,16 +32,18 @@ class Attention(nn.Module):
             return self.decode(q, ctx.block_tables, ctx.seq_lens, ctx.sparse, ctx.graph, ctx.max_seq_len)
         # Mixed step: one-token rows of running sequences take the decode path as a sub-batch (so
         # continuous batching never turns a long decode into a full prefill-style gather), prompt
-        # chunks attend over their cached prefix.
+        # chunks attend over their cached prefix. Draft rows under verification are decode rows too,
+        # each with its own length (causal), so sparse layers select per position.
         out = torch.empty_like(q)
         if ctx.decode_rows is not None:
             sub = ctx.decode_seqs
-            out[ctx.decode_rows] = self.decode(q[ctx.decode_rows], ctx.block_tables[sub], ctx.seq_lens[sub],
+            lens = ctx.decode_lens if ctx.decode_lens is not None else ctx.seq_lens[sub]
+            out[ctx.decode_rows] = self.decode(q[ctx.decode_rows], ctx.block_tables[sub], lens,
                                                ctx.decode_max_len > self.dense_threshold, False, ctx.decode_max_len)
         end = 0
         for b, (n, cached) in enumerate(zip(ctx.query_lens, ctx.context_lens)):
             start, end = end, end + n
-            if n == 1 and cached > 0:  # decoded above
+            if ctx.decodes(b):  # decoded above
                 continue
             if cached == 0:  # fresh prompt: its K/V are exactly this step's rows
                 kb, vb = k[start:end], v[start:end]

@@ -32,6 +32,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         # Bound by the model runner: one row per sequence slot
         self.conv_state = self.ssm_state = torch.tensor([])
+        # Speculative decoding: [slot, t] = state after verified position t (t < num drafts), see forward_verify
+        self.conv_spec = self.ssm_spec = torch.tensor([])
         self.in_proj = None  # fused [qkv; z; b; a] weight, see models/fuse.py
 
     def fuse_projections(self) -> None:
@@ -53,6 +55,8 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         w = self.conv1d.weight.squeeze(1)
+        if ctx.verify is not None:
+            return self.out_proj(self.forward_verify(qkv, z, g, beta, w, ctx).reshape(T, self.value_dim))
         if ctx.is_decode:
             qkv = causal_conv1d_decode(qkv, w, None, self.conv_state, ctx.state_slots)
         else:
@@ -67,3 +71,39 @@ class GatedDeltaNet(nn.Module):
             o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state, ctx.state_slots, ctx.cu_seqlens_q)
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(T, self.value_dim))
+
+    def forward_verify(self, qkv, z, g, beta, w, ctx) -> torch.Tensor:
+        """A step with draft tokens: decoding sequences advance one position at a time (decode kernels)
+        and the state after each position but their last is kept in conv_spec / ssm_spec [slot, t];
+        `commit_verified` then rolls each back to its last accepted position, with no recomputation.
+        Other sequences (prompt chunks) run varlen as usual. -> gated output [T * Hv, Dv]."""
+        vr, T = ctx.verify, qkv.shape[0]
+        y = torch.empty_like(qkv)
+        if vr.other_rows is not None:
+            y[vr.other_rows] = causal_conv1d_varlen(qkv[vr.other_rows], w, None, self.conv_state, vr.other_slots,
+                                                    vr.other_cu)
+        for t, (rows, slots) in enumerate(vr.steps):
+            y[rows] = causal_conv1d_decode(qkv[rows], w, None, self.conv_state, slots)
+            if t + 1 < len(vr.steps):
+                keep = vr.steps[t + 1][1]
+                self.conv_spec[keep, t] = self.conv_state[keep]
+        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        o = torch.empty_like(v)
+        if vr.other_rows is not None:
+            r = vr.other_rows
+            o[r] = gated_delta_rule_varlen(q[r], k[r], v[r], g[r], beta[r], self.ssm_state, vr.other_slots, vr.other_cu)
+        for t, (rows, slots) in enumerate(vr.steps):
+            o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], self.ssm_state, slots)
+            if t + 1 < len(vr.steps):
+                keep = vr.steps[t + 1][1]
+                self.ssm_spec[keep, t] = self.ssm_state[keep]
+        return self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+
+    def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Roll slots back to the state after verified position accepted[i] (< that sequence's number of
+        drafts; a sequence that accepted all its drafts already holds its final state)."""
+        self.conv_state[slots] = self.conv_spec[slots, accepted]
+        self.ssm_state[slots] = self.ssm_spec[slots, accepted]

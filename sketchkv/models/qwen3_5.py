@@ -80,8 +80,9 @@ class DecoderLayer(nn.Module):
 class MTP(nn.Module):
     """Multi-token-prediction head as stored in Qwen3.5/Qwen3-Next checkpoints (`mtp.*`).
 
-    Loaded so speculative decoding can use it; its attention layer gets a KV cache only when the
-    speculative decoder is enabled.
+    Predicts token t+2 from the final-normed hidden state h_t and the embedding of token t+1, at
+    position t (vLLM's convention and scripts/train_reference.py's). Its attention layer gets a KV
+    cache (paged like the model's, same block tables) only when speculative decoding is on.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -92,6 +93,13 @@ class MTP(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention", cfg.num_experts > 0)
                                      for _ in range(cfg.mtp_num_layers)])
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat batch: embeddings of tokens t+1 and hidden states at t, [T, hidden] -> normed hidden [T, hidden]."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
 
 
 class Qwen3_5ForCausalLM(nn.Module):

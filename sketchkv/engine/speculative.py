@@ -1,0 +1,245 @@
+"""MTP speculative decoding: draft n tokens with the checkpoint's MTP layer, verify them in one step.
+
+One engine step with speculation on (`num_speculative_tokens` = n > 0):
+
+1. propose: every running sequence the scheduler gave 1 + k tokens (k <= n drafts) gets k drafts
+   from the drafter. The MTP drafter starts from its output at the sequence's last computed token
+   (kept from the previous step) and runs its one attention layer k - 1 more times, one position
+   per call, feeding back its own hidden state and the draft token (vLLM's MTP proposer).
+2. verify: the target runs the last token + k drafts as k + 1 rows of that sequence. Attention
+   layers treat each row as a decode row with its own length (causal over the cache; sparse layers
+   select per position); Gated DeltaNet layers step through the rows and keep the state after each
+   (`GatedDeltaNet.forward_verify`). `rejection_sampler.verify` keeps a prefix of the drafts and adds
+   one token.
+3. commit: each sequence's GDN state rolls back to its last accepted row (a copy of the kept
+   state; nothing is recomputed); the scheduler counts only accepted rows as cached and frees the
+   blocks that only rejected rows used. KV rows of rejected positions stay in kept blocks and are
+   overwritten later (attention never reads past a sequence's length).
+4. catch up: the MTP layer runs over the step's accepted rows (prompt chunks too), on the target's
+   hidden states and the next tokens, writing its KV cache and leaving its output at the last row
+   for the next step's first draft.
+
+The MTP layer's KV cache is paged in the model's blocks (same block tables and slots: one more
+attention layer per block), so sharing, preemption and rollback need no extra bookkeeping.
+Verification steps run eagerly; pure decode steps (no drafts) still replay CUDA graphs.
+"""
+import math
+
+import torch
+
+from sketchkv.engine.context import Context, VerifyRows, set_context
+from sketchkv.engine.sequence import Sequence, Status
+from sketchkv.errors import CheckpointError
+from sketchkv.layers.attention import Attention
+from sketchkv.layers.rejection_sampler import VerifyOutput, verify
+from sketchkv.layers.sampler import _filter
+
+
+def verify_rows(query_lens: list[int], cu: list[int], state_slots: list[int], decoding: list[bool],
+                device) -> VerifyRows:
+    """Row and slot lists for `GatedDeltaNet.forward_verify`."""
+    t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=device)
+    dec = [b for b, d in enumerate(decoding) if d]
+    steps = []
+    for pos in range(max(query_lens[b] for b in dec)):
+        live = [b for b in dec if query_lens[b] > pos]
+        steps.append((t([cu[b] + pos for b in live]), t([state_slots[b] for b in live])))
+    vr = VerifyRows(steps)
+    other = [b for b, d in enumerate(decoding) if not d]
+    if other:
+        vr.other_rows = t([r for b in other for r in range(cu[b], cu[b + 1])])
+        vr.other_slots = t([state_slots[b] for b in other])
+        vr.other_cu = t([0] + [sum(query_lens[b] for b in other[:i + 1]) for i in range(len(other))], torch.int32)
+    return vr
+
+
+def draw(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One draft token per row and the distribution it was drawn from (None for greedy requests,
+    which draft the argmax)."""
+    logits = logits.float()
+    toks = torch.argmax(logits, -1).tolist()
+    probs: list[torch.Tensor | None] = [None] * len(seqs)
+    for i, s in enumerate(seqs):
+        if not s.params.greedy:
+            probs[i] = torch.softmax(_filter(logits[i], s.params), -1)
+            toks[i] = torch.multinomial(probs[i], 1, generator=s.generator).item()
+    return toks, probs
+
+
+class MTPDrafter:
+    """Drafts with the model's `mtp` module; its attention layers' KV caches are bound by the runner."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.model = runner.model
+        if getattr(self.model, "mtp", None) is None:
+            raise CheckpointError("num_speculative_tokens > 0 needs a checkpoint with an MTP layer (mtp.* tensors, "
+                                  "mtp_num_hidden_layers in config.json)")
+
+    def _mtp(self, ids, hidden, positions, ctx):
+        set_context(ctx)
+        try:
+            return self.model.mtp(self.model.model.embed_tokens(ids), hidden, positions)
+        finally:
+            set_context(None)
+
+    def catch_up(self, items: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor) -> None:
+        """items: (sequence, first position, number of rows, first row in `hidden`), the rows the
+        target just computed and kept. Writes the MTP KV of those positions; for sequences with one
+        token pending, keeps the MTP output at the last row for the next drafts."""
+        items = [it for it in items if it[2] > 0]
+        if not items:
+            return
+        dev = hidden.device
+        rows = torch.tensor([r for _, _, n, r0 in items for r in range(r0, r0 + n)], device=dev)
+        ids = torch.tensor([tok for seq, s, n, _ in items for tok in seq.token_ids[s + 1:s + n + 1]], device=dev)
+        positions = torch.tensor([p for _, s, n, _ in items for p in range(s, s + n)], device=dev)
+        ctx = rows_context(self.runner, [(seq, s, n) for seq, s, n, _ in items])
+        out = self._mtp(ids, hidden[rows], positions, ctx)
+        end = 0
+        for seq, s, n, _ in items:
+            end += n
+            if seq.status == Status.RUNNING and s + n == len(seq) - 1:
+                seq.mtp_hidden = out[end - 1]
+                seq.spec_ready = True
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """Sets seq.draft_token_ids (ks[i] tokens) and seq.draft_probs for each sequence."""
+        dev = self.runner.device
+        h = torch.stack([s.mtp_hidden for s in seqs])
+        toks, probs = draw(self.model.compute_logits(h), seqs)
+        drafts, dprobs = [[t] for t in toks], [[p] for p in probs]
+        for j in range(1, max(ks)):  # draft j + 1: MTP row at the position of draft j - 1's successor
+            live = [i for i, k in enumerate(ks) if k > j]
+            items = [(seqs[i], seqs[i].num_cached + j - 1, 1) for i in live]
+            idx = torch.tensor(live, device=dev)
+            out = self._mtp(torch.tensor([drafts[i][-1] for i in live], device=dev), h[idx],
+                            torch.tensor([s for _, s, _ in items], device=dev), rows_context(self.runner, items))
+            h = h.clone()
+            h[idx] = out
+            toks, probs = draw(self.model.compute_logits(out), [seqs[i] for i in live])
+            for i, t, p in zip(live, toks, probs):
+                drafts[i].append(t)
+                dprobs[i].append(p)
+        for s, d, p, k in zip(seqs, drafts, dprobs, ks):
+            s.draft_token_ids = d[:k]
+            s.draft_probs = None if s.params.greedy else torch.stack(p[:k])
+
+
+def rows_context(runner, items: list[tuple[Sequence, int, int]]) -> Context:
+    """Forward context for `n` rows of each sequence starting at position `start` (the drafter's
+    passes: same blocks and slots as the target's rows at those positions)."""
+    bs, dev = runner.block_size, runner.device
+    t = lambda x, dt: torch.tensor(x, dtype=dt, device=dev)
+    slots, cu = [], [0]
+    for seq, start, n in items:
+        slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        cu.append(cu[-1] + n)
+    width = max(len(seq.block_table) for seq, _, _ in items)
+    qlens, cached = [n for _, _, n in items], [s for _, s, _ in items]
+    ctx = Context(cu_seqlens_q=t(cu, torch.int32), seq_lens=t([s + n for s, n in zip(cached, qlens)], torch.int32),
+                  slot_mapping=t(slots, torch.int64),
+                  block_tables=t([seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _, _ in items],
+                                 torch.int32),
+                  state_slots=t([seq.state_slot for seq, _, _ in items], torch.int64), query_lens=qlens,
+                  context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
+                  max_seq_len=max(c + n for c, n in zip(cached, qlens)))
+    dec = [b for b in range(len(items)) if ctx.decodes(b)]
+    if dec and not ctx.is_decode:
+        ctx.decode_rows, ctx.decode_seqs = t([cu[b] for b in dec], torch.int64), t(dec, torch.int64)
+        ctx.decode_max_len = max(cached[b] + 1 for b in dec)
+    return ctx
+
+
+class Speculator:
+    """The runner's speculative-decoding state: drafter, verification, rollback, metrics."""
+
+    def __init__(self, runner, num_tokens: int):
+        self.runner, self.num_tokens = runner, num_tokens
+        self.drafter = MTPDrafter(runner)
+        self._hidden, self._row0 = None, []
+        self.num_verified = 0                       # (sequence, step) pairs with >= 1 draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.drafted_at = [0] * num_tokens          # verifications with a draft at position i
+        self.accepted_at = [0] * num_tokens         # ... that accepted it
+
+    # ---- memory --------------------------------------------------------------------------------
+    @staticmethod
+    def mtp_layers(model) -> list[Attention]:
+        mtp = getattr(model, "mtp", None)
+        return [m for m in mtp.modules() if isinstance(m, Attention)] if mtp is not None else []
+
+    def bytes_per_seq(self, context_len: int) -> dict:
+        """Extra device memory one sequence (agent) costs with speculation on, at `context_len` tokens."""
+        r, c = self.runner, self.runner.model_cfg
+        mtp_kv = 2 * len(self.mtp_layers(r.model)) * c.num_kv_heads * c.head_dim * r.dtype.itemsize
+        states = sum(math.prod(t.shape[1:]) * t.element_size() for m in r.gdn_layers for t in (m.conv_spec, m.ssm_spec))
+        return {"mtp_kv": mtp_kv * context_len, "gdn_verify_states": states,
+                "total": mtp_kv * context_len + states}
+
+    # ---- one step ------------------------------------------------------------------------------
+    def propose(self, batch: list[tuple[Sequence, int]]) -> None:
+        todo = [(seq, seq.num_drafts(n)) for seq, n in batch if seq.num_drafts(n) > 0]
+        if todo:
+            self.drafter.propose([s for s, _ in todo], [k for _, k in todo])
+
+    def verify(self, batch: list[tuple[Sequence, int]], hidden: torch.Tensor) -> VerifyOutput:
+        """Target hidden states of the step -> tokens for each sequence that completed its tokens."""
+        self._hidden, self._row0 = hidden, []
+        rows, spans, done = [], [], []
+        end = 0
+        for seq, n in batch:
+            self._row0.append(end)
+            end += n
+            k = seq.num_drafts(n)
+            if seq.num_cached + n - k == len(seq):
+                spans.append((len(rows), k + 1))
+                rows += range(end - k - 1, end)
+                done.append(seq)
+        if not done:
+            return VerifyOutput([], [], [], [], [])
+        logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        return verify([logits[a:a + m] for a, m in spans], [s.draft_token_ids for s in done],
+                      [s.draft_probs for s in done], [s.params for s in done], [s.generator for s in done])
+
+    def commit(self, done: list[Sequence], out: VerifyOutput) -> None:
+        """Roll each verified sequence's GDN state back to its last accepted position; count."""
+        slots, acc = [], []
+        for seq, k, a in zip(done, out.num_drafts, out.num_accepted):
+            if k == 0:
+                continue
+            self.num_verified += 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += a
+            for i in range(k):
+                self.drafted_at[i] += 1
+                self.accepted_at[i] += i < a
+            if a < k:
+                slots.append(seq.state_slot)
+                acc.append(a)
+        if slots:
+            dev = self.runner.device
+            for m in self.runner.gdn_layers:
+                m.commit_verified(torch.tensor(slots, device=dev), torch.tensor(acc, device=dev))
+
+    def catch_up(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> None:
+        """After the scheduler advanced num_cached: the drafter sees the step's kept rows."""
+        items = [(seq, s, seq.num_cached - s, r0) for (seq, _), s, r0 in zip(batch, starts, self._row0)]
+        self.drafter.catch_up(items, self._hidden)
+        for seq, _ in batch:
+            seq.draft_token_ids, seq.draft_probs = [], None
+        self._hidden = None
+
+    def slot_states(self, slot: int, t: int) -> list[torch.Tensor]:
+        """Like ModelRunner.slot_states, for the state kept after verified position t of this step."""
+        return [x for m in self.runner.gdn_layers for x in (m.conv_spec[slot, t], m.ssm_spec[slot, t])]
+
+    def metrics(self) -> dict:
+        """Mean accepted length = tokens emitted per verification (accepted drafts + the target's one)."""
+        v = self.num_verified
+        return {"num_speculative_tokens": self.num_tokens, "spec_verifications": v,
+                "spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens,
+                "spec_mean_accepted_length": (self.num_accepted_tokens + v) / v if v else 0.0,
+                "spec_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+                "spec_acceptance_by_position": [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]}
