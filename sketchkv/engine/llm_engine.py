@@ -144,12 +144,12 @@ class LLMEngine:
             out = VerifyOutput.from_sample(out)
             self._after_run(batch)
         else:  # speculative: accepted drafts join the cache, rejected rows roll back
-            for seq, toks in zip(done, out.tokens):
-                seq.token_ids += toks[:-1]
-            spec.commit(done, out)
             advance = [n - seq.num_drafts(n) for seq, n in batch]
             for i, a in zip(ends, out.num_accepted):
                 advance[i] += a
+            for seq, toks in zip(done, out.tokens):
+                seq.token_ids += toks[:-1]
+            spec.commit(done, out)
             self._after_run(batch, advance, starts)
             for seq, toks in zip(done, out.tokens):
                 seq.token_ids.append(toks[-1])  # pending, like a sampled token; the drafter reads it

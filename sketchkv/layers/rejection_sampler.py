@@ -47,7 +47,7 @@ def accept(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
     probs = torch.stack([torch.softmax(_filter(logits[i].float(), p), -1) for i in range(k + 1)])
     if draft_probs is None:
         draft_probs = torch.zeros(k, logits.shape[-1], device=logits.device)
-        draft_probs[torch.arange(k), torch.tensor(drafts, device=logits.device)] = 1.0
+        draft_probs[torch.arange(k), torch.tensor(drafts, dtype=torch.long, device=logits.device)] = 1.0
     u = torch.rand(k, generator=generator, device=logits.device).tolist()
     for i, d in enumerate(drafts):
         pd, qd = probs[i, d].item(), draft_probs[i, d].item()

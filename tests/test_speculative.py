@@ -1,0 +1,303 @@
+"""MTP speculative decoding: greedy exactness, GDN rollback, rejection sampling keeps the distribution."""
+import random
+
+import pytest
+import torch
+
+from sketchkv import LLM, SamplingParams
+from sketchkv.engine.context import Context, set_context
+from sketchkv.engine.sequence import Status
+from sketchkv.engine.speculative import verify_rows
+from sketchkv.layers.gated_deltanet import GatedDeltaNet
+from sketchkv.layers.rejection_sampler import accept
+from sketchkv.layers.sampler import _filter
+from conftest import add_mtp, make_checkpoint
+
+
+class OracleDrafter:
+    """Test-only drafter: proposes the target's own greedy continuation (known from a run without
+    speculation), wrong at a random position in about half the steps, so steps accept anything from
+    0 to k drafts and the rollback paths all run."""
+
+    def __init__(self, reference: dict[tuple, list[int]], vocab: int, seed: int = 0):
+        self.reference, self.vocab, self.rng = reference, vocab, random.Random(seed)
+
+    def catch_up(self, items, hidden) -> None:
+        for seq, s, n, _ in items:
+            if seq.status == Status.RUNNING and s + n == len(seq) - 1:
+                seq.spec_ready = True
+
+    def propose(self, seqs, ks) -> None:
+        for seq, k in zip(seqs, ks):
+            ref = self.reference[tuple(seq.prompt_token_ids)]
+            d = (ref[len(seq):len(seq) + k] + [0] * k)[:k]
+            if self.rng.random() < 0.5:
+                j = self.rng.randrange(k)
+                d[j] = (d[j] + 1) % self.vocab
+            seq.draft_token_ids, seq.draft_probs = d, None
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("mtp") / "q35")
+    make_checkpoint(path, "qwen3_5_text")
+    add_mtp(path)
+    return path
+
+
+def _prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _llm(path, **kw):
+    return LLM(path, device="cpu", dtype="float32", block_size=16, **kw)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_greedy_tokens_identical_with_mtp_drafts(mtp_ckpt, n):
+    """Several sequences, chunked prefill mixed with verification steps (continuous batching)."""
+    prompts = _prompts((5, 77, 140, 33), 2)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    ref = _llm(mtp_ckpt, max_num_batched_tokens=64).generate(prompt_token_ids=prompts, sampling_params=sp)
+    llm = _llm(mtp_ckpt, max_num_batched_tokens=64, num_speculative_tokens=n)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    for r, o in zip(ref, got):
+        assert o.token_ids == r.token_ids and o.finish_reason == "length"
+        assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 1e-4
+        assert [t[0][0] for t in o.top_logprobs] == o.token_ids
+    m = llm.engine.runner.spec.metrics()
+    assert m["spec_verifications"] > 0 and m["spec_draft_tokens"] >= m["spec_verifications"]
+    assert llm.engine.stats["spec_mean_accepted_length"] == m["spec_mean_accepted_length"] >= 1.0
+    blocks = llm.engine.blocks
+    assert blocks.num_free == blocks.num_blocks - 1  # every block came back
+
+
+def _run_with_oracle(llm, prompts, sp, reference, seed=0):
+    eng = llm.engine
+    eng.runner.spec.drafter = OracleDrafter(reference, eng.model_config.vocab_size, seed)
+    seqs = [eng.add_request(p, sp) for p in prompts]
+    while eng.has_unfinished:
+        eng.step()
+        for s in eng.scheduler.running:  # rejected drafts' fresh blocks were freed
+            bs = eng.blocks.block_size
+            assert -(-s.num_cached // bs) <= len(s.block_table) <= -(-len(s) // bs)
+            assert s.num_cached == len(s) - 1
+    return [s.output_token_ids for s in seqs]
+
+
+@pytest.mark.parametrize("n", [3, 7])
+def test_forced_acceptance_multi_token_steps_identical(mtp_ckpt, n):
+    """A drafter that is mostly right: steps accept several drafts, sequences in one batch accept
+    different counts, and GDN state / KV / blocks roll back to the accepted position."""
+    prompts = _prompts((9, 60, 31), 4)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in _llm(mtp_ckpt).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    reference = {tuple(p): p + r for p, r in zip(prompts, ref)}
+    llm = _llm(mtp_ckpt, num_speculative_tokens=n, max_num_batched_tokens=48)
+    assert _run_with_oracle(llm, prompts, sp, reference) == ref
+    m = llm.engine.runner.spec.metrics()
+    assert m["spec_mean_accepted_length"] > 2.0
+    assert 0 < m["spec_acceptance_rate"] < 1  # some steps rejected a draft
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks - 1
+
+
+def test_stop_inside_accepted_drafts_truncates(mtp_ckpt):
+    prompt = _prompts((12,), 5)[0]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = _llm(mtp_ckpt).generate(prompt_token_ids=[prompt], sampling_params=sp)[0].token_ids
+    stop = full[9]
+    want = full[:full.index(stop) + 1]
+    llm = _llm(mtp_ckpt, num_speculative_tokens=5)
+    got = _run_with_oracle(llm, [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                         stop_token_ids=[stop]), {tuple(prompt): prompt + full})
+    assert got == [want]
+    got = _run_with_oracle(_llm(mtp_ckpt, num_speculative_tokens=5), [prompt],
+                           SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), {tuple(prompt): prompt + full})
+    assert got == [full[:7]]
+
+
+def test_preemption_and_prefix_cache_with_speculation(mtp_ckpt):
+    """Few KV blocks: sequences get preempted (recompute) and re-admitted mid-speculation."""
+    prompts = _prompts((40, 45, 50), 6)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in _llm(mtp_ckpt).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    reference = {tuple(p): p + r for p, r in zip(prompts, ref)}
+    llm = _llm(mtp_ckpt, num_speculative_tokens=4, num_kv_blocks=12)
+    assert _run_with_oracle(llm, prompts, sp, reference) == ref
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+# ---- GDN rollback ------------------------------------------------------------------------------
+
+def _gdn(seed=0):
+    torch.manual_seed(seed)
+    m = GatedDeltaNet(hidden=32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, conv_kernel=4, eps=1e-6)
+    with torch.no_grad():
+        m.conv1d.weight.normal_(0, 0.5)
+        m.A_log.uniform_(-1, 1)
+        m.dt_bias.normal_(0, 0.5)
+    return m.eval()
+
+
+def _bind(m, S, n):
+    conv, rec = m.state_shapes()
+    g = torch.Generator().manual_seed(3)
+    m.conv_state = torch.randn(S, *conv, generator=g)
+    m.ssm_state = torch.randn(S, *rec, generator=g) * 0.1
+    m.conv_spec = torch.zeros(S, n, *conv)
+    m.ssm_spec = torch.zeros(S, n, *rec)
+
+
+def _step_ctx(slot):
+    return Context(cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([9], dtype=torch.int32),
+                   slot_mapping=torch.tensor([0]), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                   state_slots=torch.tensor([slot]), query_lens=[1], context_lens=[8], is_decode=True, max_seq_len=9)
+
+
+@torch.no_grad()
+def test_gdn_verify_rolls_back_to_step_by_step_state():
+    """Verification of 4 + 2 + 1 rows next to a 5-token prompt chunk: every row's output equals
+    one-token-at-a-time decoding, and committing accepted position a leaves exactly the state after
+    a + 1 single steps (conv and recurrent)."""
+    S, n = 6, 3
+    m = _gdn()
+    qlens, slots, decoding = [4, 5, 2, 1], [3, 0, 5, 1], [True, False, True, True]
+    cu = [0, 4, 9, 11, 12]
+    x = torch.randn(cu[-1], 32)
+    _bind(m, S, n)
+    conv0, ssm0 = m.conv_state.clone(), m.ssm_state.clone()
+    ctx = Context(cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seq_lens=torch.tensor(qlens, dtype=torch.int32) + 8,
+                  slot_mapping=torch.zeros(cu[-1], dtype=torch.int64), block_tables=torch.zeros(4, 1, dtype=torch.int32),
+                  state_slots=torch.tensor(slots), query_lens=qlens, context_lens=[8, 0, 8, 8], is_decode=False,
+                  max_seq_len=13, num_drafts=[3, 0, 1, 0])
+    ctx.verify = verify_rows(qlens, cu, slots, decoding, torch.device("cpu"))
+    set_context(ctx)
+    try:
+        y = m(x)
+    finally:
+        set_context(None)
+    verified = (m.conv_state.clone(), m.ssm_state.clone(), m.conv_spec.clone(), m.ssm_spec.clone())
+    # reference: each sequence alone, one token per call (the prompt chunk as one varlen call)
+    ref = torch.empty_like(y)
+    after = {}  # (b, t) -> states after row t
+    for b in range(4):
+        m.conv_state, m.ssm_state = conv0.clone(), ssm0.clone()
+        rows = range(cu[b], cu[b + 1])
+        if decoding[b]:
+            for t, r in enumerate(rows):
+                set_context(_step_ctx(slots[b]))
+                ref[r] = m(x[r:r + 1])[0]
+                after[b, t] = (m.conv_state[slots[b]].clone(), m.ssm_state[slots[b]].clone())
+        else:
+            c = Context(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32), seq_lens=torch.tensor([5], dtype=torch.int32),
+                        slot_mapping=torch.zeros(5, dtype=torch.int64), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                        state_slots=torch.tensor([slots[b]]), query_lens=[5], context_lens=[0], is_decode=False,
+                        max_seq_len=5)
+            set_context(c)
+            ref[cu[b]:cu[b + 1]] = m(x[cu[b]:cu[b + 1]])
+            after[b, 4] = (m.conv_state[slots[b]].clone(), m.ssm_state[slots[b]].clone())
+        set_context(None)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    for accepted in ([0, 0], [1, 0], [2, 0], None):  # None: all drafts accepted, nothing to roll back
+        m.conv_state, m.ssm_state, m.conv_spec, m.ssm_spec = (t.clone() for t in verified)
+        if accepted is not None:
+            m.commit_verified(torch.tensor([slots[0], slots[2]]), torch.tensor(accepted))
+        for b, a in zip((0, 2), accepted or [3, 1]):
+            torch.testing.assert_close(m.conv_state[slots[b]], after[b, a][0], rtol=1e-5, atol=1e-6)  # projections batched differently
+            torch.testing.assert_close(m.ssm_state[slots[b]], after[b, a][1], rtol=1e-6, atol=1e-6)
+        for b, t in ((1, 4), (3, 0)):  # not rolled back: the state after their last row
+            torch.testing.assert_close(m.conv_state[slots[b]], after[b, t][0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(m.ssm_state[slots[b]], after[b, t][1], rtol=1e-5, atol=1e-5)
+    untouched = [s for s in range(S) if s not in slots]
+    assert torch.equal(m.ssm_state[untouched], ssm0[untouched])
+
+
+# ---- rejection sampling ------------------------------------------------------------------------
+
+def _chain(V, seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, V, generator=g) * scale  # logits of the next token given the previous one
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "topk", "topp"])
+def test_rejection_sampling_preserves_the_distribution(params):
+    """A Markov 'target' over 4 tokens and a very different 'drafter': sequences of 3 tokens
+    generated by drafting 2 and verifying follow the target's joint distribution (64 outcomes),
+    while taking the drafts as they come would not."""
+    V, L, N, k = 4, 3, 6000, 2
+    P, Q = _chain(V, 0, 1.5), _chain(V, 1, 1.5)
+    p_of = lambda prev: torch.softmax(_filter(P[prev], params), -1)
+    q_of = lambda prev: torch.softmax(Q[prev], -1)
+    exact = torch.zeros([V] * L)
+    for idx in torch.cartesian_prod(*[torch.arange(V)] * L):
+        prob, prev = 1.0, 0
+        for t in idx.tolist():
+            prob, prev = prob * p_of(prev)[t].item(), t
+        exact[tuple(idx.tolist())] = prob
+    naive = torch.zeros([V] * L)
+    for idx in torch.cartesian_prod(*[torch.arange(V)] * L):
+        prob, prev = 1.0, 0
+        for t in idx.tolist():
+            prob, prev = prob * q_of(prev)[t].item(), t
+        naive[tuple(idx.tolist())] = prob
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros([V] * L)
+    for _ in range(N):
+        out = []
+        while len(out) < L:
+            prev = out[-1] if out else 0
+            drafts, probs = [], []
+            for _ in range(k):
+                q = q_of(prev)
+                d = torch.multinomial(q, 1, generator=gen).item()
+                drafts.append(d)
+                probs.append(q)
+                prev = d
+            ctx = [out[-1] if out else 0] + drafts  # row i: the token before draft i
+            out += accept(P[ctx], drafts, torch.stack(probs), params, gen)
+        counts[tuple(out[:L])] += 1
+    tv = 0.5 * (counts / N - exact).abs().sum().item()
+    assert 0.5 * (naive - exact).abs().sum().item() > 0.25  # the test can tell the two apart
+    assert tv < 0.06, tv
+
+
+def test_greedy_accept_is_argmax_prefix():
+    logits = torch.tensor([[0., 5, 0], [4, 0, 0], [0, 0, 3], [1, 0, 0]])
+    g = SamplingParams(temperature=0)
+    assert accept(logits, [1, 0, 2], None, g, None) == [1, 0, 2, 0]
+    assert accept(logits, [1, 2, 2], None, g, None) == [1, 0]
+    assert accept(logits, [0, 0, 2], None, g, None) == [1]
+
+
+def test_sampled_speculation_through_the_engine(tmp_path):
+    """Temperature 1 with the MTP drafter on a model with a peaked 8-token vocabulary: the second
+    and third generated tokens (both produced by verification steps) follow the model's exact
+    marginals, computed by enumeration with teacher forcing."""
+    path = str(tmp_path / "q")
+    make_checkpoint(path, "qwen3_5_text", vocab_size=8)
+    add_mtp(path, std=0.2)
+    from safetensors.torch import load_file, save_file
+    import os
+    w = load_file(os.path.join(path, "model.safetensors"))
+    w["lm_head.weight"] = w["lm_head.weight"] * 25  # peaked next-token distributions
+    save_file(w, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    prompt = [3, 1, 4, 1, 5]
+    base = _llm(path)
+    firsts = list(range(8))
+    lp1 = base.teacher_force([prompt], [[0]])[0][0].exp()
+    lp2 = torch.stack([r[1] for r in base.teacher_force([prompt] * 8, [[a, 0] for a in firsts])]).exp()
+    pairs = [(a, b) for a in firsts for b in firsts]
+    lp3 = torch.stack([r[2] for r in base.teacher_force([prompt] * 64, [[a, b, 0] for a, b in pairs])]).exp()
+    m2 = (lp1[:, None] * lp2).sum(0)
+    m3 = sum(lp1[a] * lp2[a, b] * lp3[i] for i, (a, b) in enumerate(pairs))
+    llm = _llm(path, num_speculative_tokens=2, max_num_seqs=64)
+    N = 1200
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(N)]
+    outs = llm.generate(prompt_token_ids=[prompt] * N, sampling_params=sps)
+    toks = torch.tensor([o.token_ids for o in outs])
+    assert llm.engine.runner.spec.metrics()["spec_verifications"] >= N
+    for col, exact in ((1, m2), (2, m3)):
+        freq = torch.bincount(toks[:, col], minlength=8).float() / N
+        assert 0.5 * (freq - exact).abs().sum() < 0.06, (col, freq, exact)
