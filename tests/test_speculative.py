@@ -128,6 +128,40 @@ def test_preemption_and_prefix_cache_with_speculation(mtp_ckpt):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@torch.no_grad()
+def test_mtp_layer_matches_training_reference(tmp_path, monkeypatch):
+    """The MTP pass over a prompt gives the logits of scripts/train_reference.py's MTP (transformers'
+    decoder layer; h_t and token t+1 at position t), so a trained MTP layer drafts as it was trained."""
+    import json
+    import os
+    import sys
+    from safetensors.torch import load_file, save_file
+    from sketchkv.engine.speculative import MTPDrafter
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import train_reference
+    path = str(tmp_path / "q")
+    hf = make_checkpoint(path, "qwen3_5_text")
+    torch.manual_seed(3)
+    mtp = train_reference.make_mtp(hf.config).eval()
+    for name, p in mtp.named_parameters():
+        p.add_(torch.randn_like(p) * (0.1 if "norm" in name else 0.02))
+    w = load_file(os.path.join(path, "model.safetensors"))
+    w.update({f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()})
+    save_file(w, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    json.dump({**cfg, "mtp_num_hidden_layers": 1}, open(os.path.join(path, "config.json"), "w"))
+    seen = []
+    orig = MTPDrafter._mtp
+    monkeypatch.setattr(MTPDrafter, "_mtp", lambda self, *a: seen.append(orig(self, *a)) or seen[-1])
+    llm = _llm(path, num_speculative_tokens=1)
+    prompt = _prompts((40,), 8)[0]
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=1))[0]
+    ids = torch.tensor([prompt + out.token_ids])
+    ref = train_reference.mtp_forward(hf, mtp, ids, hf.model(input_ids=ids).last_hidden_state)[0]
+    got = llm.engine.model.compute_logits(torch.cat(seen))  # the prompt ran in two chunks (a snapshot point)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
 # ---- GDN rollback ------------------------------------------------------------------------------
 
 def _gdn(seed=0):
