@@ -40,6 +40,12 @@ class LLM:
         """Per-position log-probabilities of forced continuations (see LLMEngine.teacher_force)."""
         return self.engine.teacher_force(prompt_token_ids, continuation_token_ids)
 
+    def speculative_metrics(self) -> dict:
+        """Speculative decoding counters since start: verifications, drafted / accepted tokens, mean
+        accepted length per step (accepted drafts + 1), acceptance by draft position. {} when off."""
+        spec = self.engine.runner.spec
+        return spec.metrics() if spec is not None else {}
+
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], sampling_params)[0]

@@ -66,7 +66,7 @@ def test_greedy_tokens_identical_with_mtp_drafts(mtp_ckpt, n):
         assert o.token_ids == r.token_ids and o.finish_reason == "length"
         assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 1e-4
         assert [t[0][0] for t in o.top_logprobs] == o.token_ids
-    m = llm.engine.runner.spec.metrics()
+    m = llm.speculative_metrics()
     assert m["spec_verifications"] > 0 and m["spec_draft_tokens"] >= m["spec_verifications"]
     assert llm.engine.stats["spec_mean_accepted_length"] == m["spec_mean_accepted_length"] >= 1.0
     blocks = llm.engine.blocks

@@ -158,11 +158,14 @@ class Speculator:
         self.runner, self.num_tokens = runner, num_tokens
         self.drafter = MTPDrafter(runner)
         self._hidden, self._row0 = None, []
+        self.reset_metrics()
+
+    def reset_metrics(self) -> None:
         self.num_verified = 0                       # (sequence, step) pairs with >= 1 draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.drafted_at = [0] * num_tokens          # verifications with a draft at position i
-        self.accepted_at = [0] * num_tokens         # ... that accepted it
+        self.drafted_at = [0] * self.num_tokens     # verifications with a draft at position i
+        self.accepted_at = [0] * self.num_tokens    # ... that accepted it
 
     # ---- memory --------------------------------------------------------------------------------
     @staticmethod

@@ -65,14 +65,18 @@ def byte_tokenizer_files(path: str) -> None:
         json.dump({"eos_token": "<|endoftext|>", "chat_template": template}, f, indent=1)
 
 
-def save_random_checkpoint(name: str, path: str, seed: int = 0) -> None:
+def save_random_checkpoint(name: str, path: str, seed: int = 0, mtp_layers: int = 0) -> None:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer) for a preset with
-    random weights: a stand-in model for smoke runs until a trained one is at hand."""
+    random weights: a stand-in model for smoke runs until a trained one is at hand. mtp_layers > 0
+    adds an MTP head (mtp.* tensors) for speculative decoding (hybrid presets)."""
     import json
     import os
     from safetensors.torch import save_file
     from sketchkv.models.loader import build_model
     cfg, raw = preset_config(name)
+    if mtp_layers:
+        raw["mtp_num_hidden_layers"] = mtp_layers
+        cfg = ModelConfig.from_hf(raw, f"random:{name}")
     os.makedirs(path, exist_ok=True)
     model = build_model(cfg, torch.float32, torch.device("cpu"))
     randomize(model, seed)

@@ -34,6 +34,9 @@ class ServerMetrics:
         self.prefix_cache_hit_rate = Gauge(p + "prefix_cache_hit_rate",
                                            "prompt tokens served from the prefix cache / prompt tokens looked up",
                                            registry=r)
+        self.spec_accepted_length = Gauge(p + "spec_mean_accepted_length",
+                                          "speculative decoding: tokens per verification step (accepted drafts + 1)",
+                                          registry=r)
         self.engine_alive = Gauge(p + "engine_alive", "1 while the engine thread runs", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to first generated token",
                               buckets=_TIME_BUCKETS, registry=r)
@@ -67,6 +70,7 @@ class ServerMetrics:
         self.kv_blocks_used.set(total - blocks.num_free)
         queries = stats.get("prefix_cache_queries", 0)
         self.prefix_cache_hit_rate.set(stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
+        self.spec_accepted_length.set(stats.get("spec_mean_accepted_length", 0.0))
 
     # ---- handlers ------------------------------------------------------------------------------
     def observe_request(self, finish_reason: str, ttft: float | None, latency: float) -> None:

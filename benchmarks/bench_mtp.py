@@ -1,0 +1,149 @@
+"""MTP speculative decoding: mean accepted length per step for n drafts, and wall-clock decode speed.
+
+    python benchmarks/bench_mtp.py --model MODEL_DIR --n 1 3 7 --out benchmarks/results/mtp-accept.json
+    python benchmarks/bench_mtp.py --tiny /tmp/tiny-mtp --n 1 3 7      # CPU smoke: random tiny model + MTP
+
+Prompts come from held-out code (MODEL/heldout.json, or files/directories given with --docs), in
+two styles, reported separately (as the seed does):
+  copy     a file, then its `# file:` header again and its first lines: the continuation repeats
+           text from the context (drafts are easy);
+  explain  a file inside the chat template with a request to explain it (free text; with a model
+           without a chat template: the file cut at a random line, continued as new code).
+For each n (and n = 0 as the baseline) the same prompts are generated greedily in one batch; the
+report gives mean accepted length (tokens per verification step: accepted drafts + 1), acceptance
+by draft position, decode tokens/s, and whether the tokens equal the baseline's (they must at
+temperature 0). Random-weight models accept ~nothing: the numbers mean something only for a
+trained MTP layer.
+"""
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+from sketchkv import LLM, SamplingParams  # noqa: E402
+from sketchkv.eval.common import FILE_HEADER, load_documents  # noqa: E402
+
+
+def build_prompts(llm: LLM, docs, style: str, count: int, context: int, seed: int) -> list[list[int]]:
+    tok, rng = llm.tokenizer, random.Random(seed)
+    docs = [d for d in docs if len(d.text) > 400]
+    rng.shuffle(docs)
+    prompts = []
+    for d in docs:
+        if len(prompts) == count:
+            break
+        text = d.text[:context * 3]  # ~3 characters per token for code; trimmed in tokens below
+        if style == "copy":
+            head = "\n".join(text.splitlines()[:3])
+            ids = tok.encode(FILE_HEADER.format(rel=d.rel) + text)[:context - 64] + tok.encode(
+                "\n" + FILE_HEADER.format(rel=d.rel) + head)
+        elif tok.chat_template:
+            body = tok.decode(tok.encode(text)[:context - 64])
+            ids = tok.apply_chat_template([{"role": "user", "content": f"Explain what this code does:\n\n{body}"}],
+                                          add_generation_prompt=True)
+            ids = tok.encode(ids) if isinstance(ids, str) else ids
+        else:
+            lines = text.splitlines()
+            cut = rng.randrange(len(lines) // 2, len(lines))
+            ids = tok.encode(FILE_HEADER.format(rel=d.rel) + "\n".join(lines[:cut]) + "\n")[-context:]
+        prompts.append(ids)
+    return prompts
+
+
+def run(llm: LLM, prompts, max_tokens: int) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n_tok = sum(len(o.token_ids) for o in outs)
+    spec = llm.engine.runner.spec
+    return {"tokens": [o.token_ids for o in outs], "wall_s": wall, "generated": n_tok, "tok_per_s": n_tok / wall,
+            **(spec.metrics() if spec else {})}
+
+
+def make_tiny(path: str) -> str:
+    from sketchkv.models.presets import save_random_checkpoint
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        save_random_checkpoint("tiny-hybrid", path, mtp_layers=1)
+    return path
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint dir with mtp.* tensors (default: the bundled reference model)")
+    ap.add_argument("--tiny", default=None, help="write (once) and use a random tiny hybrid with MTP at this path")
+    ap.add_argument("--docs", nargs="*", default=[], help="held-out files/dirs (default: MODEL/heldout.json)")
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 3, 7])
+    ap.add_argument("--styles", nargs="+", default=["copy", "explain"])
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per style (generated as one batch)")
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens (about)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--option", nargs="*", default=[], help="engine options KEY=VALUE (e.g. sparse=true enforce_eager=true)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from sketchkv.config import default_model
+    model = make_tiny(a.tiny) if a.tiny else (a.model or default_model())
+    opts = {}
+    for kv in a.option:
+        k, v = kv.split("=", 1)
+        opts[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+    docs = None
+    if a.docs or not a.tiny:
+        docs, source = load_documents(a.docs, model)
+    else:  # the tiny random model: any Python source will do
+        import sketchkv
+        docs, source = load_documents([os.path.dirname(sketchkv.__file__)], model)
+    results = {"model": model, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+               "command": " ".join(sys.argv), "docs": source, "options": opts, "max_tokens": a.max_tokens,
+               "context": a.context, "styles": {}}
+    for style in a.styles:
+        rows = {}
+        base = None
+        for n in [0] + a.n:
+            llm = LLM(model, num_speculative_tokens=n, max_num_seqs=max(a.prompts, 1), **opts)
+            prompts = build_prompts(llm, docs, style, a.prompts, a.context, a.seed)
+            if n and llm.engine.runner.spec is not None:
+                mem = llm.engine.runner.spec.bytes_per_seq(a.context + a.max_tokens)
+            else:
+                mem = None
+            run(llm, prompts[:1], 4)  # warm-up (compiles, autotunes)
+            if llm.engine.runner.spec is not None:
+                llm.engine.runner.spec.reset_metrics()
+            r = run(llm, prompts, a.max_tokens)
+            toks = r.pop("tokens")
+            if n == 0:
+                base = toks
+            r["identical_to_baseline"] = toks == base
+            # bf16 on a GPU: verification batches rows differently, so near-ties may flip; how far they agree
+            r["agree_prefix_frac"] = sum(next((i for i, (x, y) in enumerate(zip(t, b)) if x != y), len(t)) / max(len(t), 1)
+                                         for t, b in zip(toks, base)) / max(len(toks), 1)
+            r["spec_bytes_per_agent"] = mem
+            rows[n] = r
+            print(f"{style:8s} n={n}: {r['tok_per_s']:8.1f} tok/s  accepted length "
+                  f"{r.get('spec_mean_accepted_length', 1.0):.2f}  identical={r['identical_to_baseline']}", flush=True)
+            del llm
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        for n, r in rows.items():
+            r["speedup_vs_n0"] = r["tok_per_s"] / rows[0]["tok_per_s"]
+        results["styles"][style] = rows
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
