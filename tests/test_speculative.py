@@ -335,3 +335,24 @@ def test_sampled_speculation_through_the_engine(tmp_path):
     for col, exact in ((1, m2), (2, m3)):
         freq = torch.bincount(toks[:, col], minlength=8).float() / N
         assert 0.5 * (freq - exact).abs().sum() < 0.06, (col, freq, exact)
+
+
+def test_gdn_snapshots_inside_verified_runs_serve_prefix_hits(mtp_ckpt, monkeypatch):
+    """A snapshot point passed in the middle of an accepted run is saved from the kept per-position
+    state; a later request resuming from it decodes as without the cache."""
+    from sketchkv.engine.speculative import Speculator
+    kept = []
+    orig = Speculator.slot_states
+    monkeypatch.setattr(Speculator, "slot_states", lambda self, slot, t: kept.append(t) or orig(self, slot, t))
+    prompt = _prompts((21,), 9)[0]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = _llm(mtp_ckpt).generate(prompt_token_ids=[prompt], sampling_params=sp)[0].token_ids
+    llm = _llm(mtp_ckpt, num_speculative_tokens=7, snapshot_interval_blocks=1)
+    assert _run_with_oracle(llm, [prompt], sp, {tuple(prompt): prompt + full}) == [full]
+    assert kept  # at least one boundary fell inside a verified run
+    follow = prompt + full[:35]
+    ref = _llm(mtp_ckpt, enable_prefix_caching=False).generate(prompt_token_ids=[follow], sampling_params=sp)[0]
+    before = llm.engine.scheduler.prefix_hits
+    got = _run_with_oracle(llm, [follow], sp, {tuple(follow): follow + ref.token_ids})
+    assert got == [ref.token_ids]
+    assert llm.engine.scheduler.prefix_hits - before == 48  # 3 blocks: two snapshots saved during decode
