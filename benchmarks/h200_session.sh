@@ -2,7 +2,8 @@
 # One device call: GPU tests, then the sparse-kernel and engine benchmarks, each under a time guard.
 # Usage (on the H200, from the repo root, with .whl carried):
 #   bash benchmarks/h200_session.sh SECONDS [TEST_FILES...]
-#   ENGINE_ARGS="..." overrides the engine benchmark's arguments; STAGES="tests sparse host engine" picks stages.
+#   ENGINE_ARGS="..." overrides the engine benchmark's arguments; STAGES="tests sparse host mtp engine" picks
+#   stages (mtp: MTP accepted length, benchmarks/bench_mtp.py with MTP_ARGS).
 # Everything lands in $OUT (logs + JSON), to be copied into benchmarks/results/ afterwards.
 set -u
 BUDGET=${1:-540}; shift || true
@@ -24,6 +25,10 @@ case " $STAGES " in *" sparse "*)
 esac
 case " $STAGES " in *" host "*)
   timeout $(( $(left) / 2 )) python3 benchmarks/bench_host_gather.py --quick --out "$OUT/host-gather.json" 2>&1 | tail -20 | tee "$OUT/host-gather.log";;
+esac
+case " $STAGES " in *" mtp "*)
+  MTP_ARGS=${MTP_ARGS:---n 1 3 7 --prompts 8 --context 4096 --max-tokens 256}
+  timeout $(( $(left) / 2 )) python3 benchmarks/bench_mtp.py $MTP_ARGS --out "$OUT/mtp-accept.json" 2>&1 | tail -12 | tee "$OUT/mtp-accept.log";;
 esac
 case " $STAGES " in *" engine "*)
   timeout $(( $(left) - 10 )) python3 benchmarks/bench_engine.py $ENGINE_ARGS --out "$OUT/engine-27b.json" 2>&1 | tee "$OUT/engine-27b.log" | tail -20;;
