@@ -74,7 +74,8 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """K + V rows, plus the int4 sketch and its scale for sparse layers, per block of tokens."""
         c = self.model_cfg
-        kv = 2 * (len(self.attn_layers) + len(self.mtp_attn_layers)) * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        layers = len(self.attn_layers) + len(self.mtp_attn_layers)  # the MTP layer's KV is paged in the same blocks
+        kv = 2 * layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         sketch = sum(self.block_size * c.num_kv_heads * (m.rank // 2 + 2) for m in self.sparse_layers)
         return kv + sketch
 
