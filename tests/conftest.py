@@ -117,3 +117,14 @@ def run_interpreter_tests(test_file: str, already_interpreted: bool) -> None:
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     last = r.stdout.strip().split("\n")[-1]
     assert " passed" in last and "skipped" not in last, r.stdout[-3000:]
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory_after_test(request):
+    """An engine sizes its KV cache from the free GPU memory: free the last test's engines (reference
+    cycles, CUDA-graph pools) before the next test builds its own or allocates real-size tensors."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_available():
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -41,7 +41,7 @@ def test_gpu_parity_with_transformers(tiny_checkpoint, model_type, dtype):
     tdt = getattr(torch, dtype)
     hf = hf.to("cuda", tdt)
     llm = LLM(path, device="cuda", dtype=dtype, block_size=64, max_num_batched_tokens=512, max_num_seqs=4,
-              max_model_len=4096)
+              max_model_len=4096, num_kv_blocks=1024)  # a small cache: several engines share the card
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (1200, 333)]
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
@@ -74,7 +74,7 @@ def test_gpu_sparse_with_topk_ge_context_equals_dense(tiny_checkpoint, tmp_path)
     calib = tmp_path / "calib.txt"
     calib.write_text("".join(chr(32 + (i * 7919) % 95) for i in range(20000)))
     # fp32: the dense and indexed launches split the rows differently, so only rounding differs
-    kw = dict(device="cuda", dtype="float32", block_size=64, max_num_seqs=4, max_model_len=4096)
+    kw = dict(device="cuda", dtype="float32", block_size=64, max_num_seqs=4, max_model_len=4096, num_kv_blocks=1024)
     dense = LLM(path, **kw)
     fit_basis(dense, [str(calib)], rank=32, max_tokens=8192, seq_len=2048, out=f"{path}/key_basis.safetensors")
     g = torch.Generator().manual_seed(4)

@@ -25,7 +25,7 @@ def ckpt(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_gpu_speculative_greedy_matches(ckpt, dtype, sparse):
-    kw = dict(device="cuda", dtype=dtype, block_size=16, max_num_seqs=8)
+    kw = dict(device="cuda", dtype=dtype, block_size=16, max_num_seqs=8, num_kv_blocks=2048)  # engines share the card
     if sparse:
         from sketchkv.config import SparseConfig
         import os

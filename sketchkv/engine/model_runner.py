@@ -132,17 +132,21 @@ class ModelRunner:
         self.run([(seq, n_tok)], sample_now=False)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.mem_get_info(self.device)[1]
         warm_bytes = warm_blocks * self.kv_bytes_per_block
-        free = total * self.cfg.cache.gpu_memory_utilization - (peak - warm_bytes)
         self._allocate_kv(0)
         torch.cuda.empty_cache()
-        blocks = int(free // self.kv_bytes_per_block)
+        free_now, total = torch.cuda.mem_get_info(self.device)
+        activations = peak - warm_bytes - torch.cuda.memory_allocated(self.device)
+        # Our share of the card, but never more than is free now: another process (or another engine in
+        # this one) may hold part of it. 1 GiB stays free for CUDA graphs and the allocator's slack.
+        budget = min(total * self.cfg.cache.gpu_memory_utilization - (peak - warm_bytes),
+                     free_now - activations - 2**30)
+        blocks = int(budget // self.kv_bytes_per_block)
         if blocks < 2:
             from sketchkv.errors import CapacityError
-            raise CapacityError(f"no GPU memory left for the KV cache (peak use {peak / 2**30:.1f} GiB of "
-                                f"{total / 2**30:.1f} GiB at gpu_memory_utilization="
-                                f"{self.cfg.cache.gpu_memory_utilization})")
+            raise CapacityError(f"no GPU memory left for the KV cache (peak use {peak / 2**30:.1f} GiB, "
+                                f"{free_now / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB at "
+                                f"gpu_memory_utilization={self.cfg.cache.gpu_memory_utilization})")
         return blocks
 
     # ---- batch -> tensors ----------------------------------------------------------------------
