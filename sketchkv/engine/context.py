@@ -27,6 +27,9 @@ class Context:
     decode_seqs: torch.Tensor | None = None   # [Bd] its index in the batch
     decode_max_len: int = 0
     graph: bool = False               # captured in a CUDA graph: shapes must not depend on values
+    # Host tier only
+    resident_rows: torch.Tensor | None = None  # [T] int64: row of each new token in the tier's sinks/recent ring
+    hot_pids: torch.Tensor | None = None       # [B] int64: hot-buffer partition of each sequence
 
     @property
     def num_seqs(self) -> int:

@@ -37,6 +37,7 @@ class Sequence:
     first_token_time: float | None = None
     num_prompt_cached: int = 0                            # prompt tokens served from the prefix cache
     generator: object = None                              # torch.Generator, set by the engine
+    tier_pid: int = -1                                    # host tier: its hot-buffer partition
 
     def __post_init__(self):
         if not self.token_ids:
