@@ -321,3 +321,32 @@ def test_gpu_tier_decode_step_no_host_sync():
         torch.cuda.set_sync_debug_mode(0)
         set_context(None)
     torch.cuda.synchronize()
+
+
+def test_tier_metrics_and_flags(ckpt_with_basis):
+    """The server's Prometheus metrics carry the tier's counters; the knobs map onto flat CLI flags."""
+    import argparse
+    import re
+    from sketchkv.config import add_dataclass_args, build_config
+    from sketchkv.server.metrics import ServerMetrics
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p)
+    args = p.parse_args(["--sparse", "--sparse-host-tier", "--sparse-host-format", "int8",
+                         "--sparse-hot-fraction", "0.05", "--sparse-host-budget-gb", "2", "--sparse-gpu-budget-gb", "none"])
+    cfg = build_config(args).sparse
+    assert (cfg.host_tier, cfg.host_format, cfg.hot_fraction, cfg.host_budget_gb, cfg.gpu_budget_gb) == \
+        (True, "int8", 0.05, 2.0, None)
+    llm = _llm(ckpt_with_basis, True)
+    eng, m = llm.engine, ServerMetrics()
+    eng.add_request(_prompt(200, 20), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while eng.has_unfinished:
+        eng.step()
+        m.update_from_engine(eng)
+    text = m.render().decode()
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+    s = llm.tier_stats()
+    assert value("sketchkv_tier_hits_total") == s.hits and value("sketchkv_tier_misses_total") == s.misses > 0
+    assert value("sketchkv_tier_pcie_read_bytes_total") == s.pcie_read_bytes
+    assert value("sketchkv_tier_pcie_write_bytes_total") == s.pcie_write_bytes
+    assert value("sketchkv_tier_gpu_bytes") == s.gpu_bytes and value("sketchkv_tier_host_bytes") == s.host_bytes
+    assert value("sketchkv_tier_host_bytes_used") == 0  # finished: nothing held
