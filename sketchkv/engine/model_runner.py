@@ -144,14 +144,22 @@ class ModelRunner:
         fixed = HostTier.fixed_gpu_bytes(L, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype,
                                          sp.sink_tokens, sp.recent_tokens, self.num_state_slots) \
             + num_blocks * self.sketch_bytes_per_block
+        budget = None
         if sp.gpu_budget_gb is not None:
             budget = int(sp.gpu_budget_gb * 2**30)
         elif self.device.type == "cuda":
             budget = self._free_gpu_bytes() - self._decode_scratch_bytes()
-        else:  # enough for every sequence at full length
-            per_seq = max(64, math.ceil(sp.hot_fraction * self.max_model_len))
+            if sp.host_budget_gb is None and not self.cfg.cache.num_kv_blocks:
+                # both budgets defaulted: let the per-block GPU part (sketches, slot map) take at most
+                # 3/4 of the GPU budget, so a large host RAM does not crowd out the hot pool
+                res = fixed - num_blocks * self.kv_bytes_per_block
+                cap = int(0.75 * (budget - res)) // self.kv_bytes_per_block
+                if 2 <= cap < num_blocks:
+                    num_blocks, fixed = cap, res + cap * self.kv_bytes_per_block
+        per_seq = max(64, math.ceil(sp.hot_fraction * self.max_model_len))  # the largest partition
+        if budget is None:  # CPU: enough for every sequence at full length
             budget = fixed + sc.max_num_seqs * per_seq * row
-        pool = (budget - fixed) // row
+        pool = min((budget - fixed) // row, sc.max_num_seqs * per_seq)  # more rows could never be used
         if pool < 1:
             raise CapacityError(f"GPU budget {budget / 2**30:.3f} GiB is below the host tier's fixed part "
                                 f"{fixed / 2**30:.3f} GiB (sketches of {num_blocks} host blocks, sinks + recent rows "

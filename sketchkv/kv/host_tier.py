@@ -66,7 +66,8 @@ class HostTier:
         self.sinks, self.recent = sinks, max(recent, 1)
         self.width = sinks + self.recent                # resident rows per state slot
         self.max_model_len = max_model_len
-        self.store = HostKVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, fmt, device=device)
+        self.store = HostKVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, fmt,
+                                 pin=device.type == "cuda", device=device)
         n_res = num_state_slots * self.width + 1
         self.dump_row = n_res - 1
         self.res_k = torch.zeros(num_layers, n_res, num_kv_heads, head_dim, dtype=dtype, device=device)
