@@ -50,6 +50,34 @@ def test_tier_bf16_same_tokens_as_tier_off(ckpt_with_basis):
         assert s.hits > 0 and s.misses > 0 and s.pcie_read_bytes > 0
 
 
+def test_tier_bf16_rows_bf16_model_bit_exact(tmp_path):
+    """A bf16 model (qwen3, basis fitted in bf16) with bf16 host rows: the tier reads back exactly the
+    values tier-off keeps on the device, so tokens and log-probabilities are identical, through
+    chunked prefill, mixed steps, sparse decode and a follow-up turn from the prefix cache."""
+    from conftest import make_checkpoint
+    from sketchkv.kv.fit_basis import fit_basis
+    path = str(tmp_path / "qwen3")
+    make_checkpoint(path, "qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    num_hidden_layers=3, max_position_embeddings=8192)
+    calib = str(tmp_path / "calib.txt")
+    g = torch.Generator().manual_seed(5)
+    with open(calib, "w") as f:
+        f.write("".join(chr(c) for c in torch.randint(32, 127, (6000,), generator=g).tolist()))
+    fit_basis(LLM(path, device="cpu", dtype="bfloat16", block_size=16), [calib], rank=8, max_tokens=3000,
+              seq_len=1024, out=str(tmp_path / "qwen3" / "key_basis.safetensors"))
+    first, other = _prompt(300, 21), _prompt(120, 22)
+    follow = first + _prompt(50, 23)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = []
+    for tier in (False, True):
+        llm = _llm(path, tier, dtype="bfloat16", max_num_batched_tokens=96)
+        a = llm.generate(prompt_token_ids=[first, other], sampling_params=sp)
+        b = llm.generate(prompt_token_ids=[follow], sampling_params=sp)[0]
+        assert b.num_cached_tokens >= 256
+        outs.append([(o.token_ids, o.logprobs) for o in a + [b]])
+    assert outs[0] == outs[1]
+
+
 def test_tier_topk_ge_context_equals_dense(ckpt_with_basis):
     """top_k >= context: every token is read (sinks + tail resident, the rest via hot buffer / host)."""
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
