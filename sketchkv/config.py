@@ -38,6 +38,11 @@ class SparseConfig:
     dense_threshold: int | None = field(default=None, metadata={"help": "contexts up to this run dense (default: sink+top_k+recent)"})
     shared_selection: bool = field(default=True, metadata={"help": "one pick per layer shared by all KV heads (else per KV head)"})
     basis: str | None = field(default=None, metadata={"help": "key basis file (default: MODEL/key_basis.safetensors)"})
+    host_tier: bool = field(default=False, metadata={"help": "full-attention K/V live in host RAM; the GPU keeps sketch, sinks, recent tail and a hot buffer (needs sparse)"})
+    host_format: str = field(default="int4", metadata={"help": "host rows: int4 | int8 | bf16"})
+    hot_fraction: float = field(default=0.025, metadata={"help": "GPU hot-buffer rows per sequence, as a fraction of its tokens"})
+    host_budget_gb: float | None = field(default=None, metadata={"help": "host RAM for the tier (default: half of the available RAM)"})
+    gpu_budget_gb: float | None = field(default=None, metadata={"help": "GPU memory for the tier: sketches, sinks + tails, hot buffer (default: what is free after weights and activations)"})
 
 
 @dataclass
@@ -70,6 +75,8 @@ def flat_fields(cfg_cls=EngineConfig):
 
 def _parse(value: str, typ):
     typ = str(typ)
+    if "None" in typ and value.lower() == "none":
+        return None
     if "bool" in typ:
         return value.lower() in ("1", "true", "yes", "on")
     if "int" in typ:

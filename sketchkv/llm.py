@@ -46,6 +46,12 @@ class LLM:
         spec = self.engine.runner.spec
         return spec.metrics() if spec is not None else {}
 
+    def tier_stats(self, per_sequence: bool = False):
+        """Host KV tier accounting (sparse_host_tier=True; None otherwise): TierStats with hits, misses,
+        hit_rate, pcie_read_bytes / pcie_write_bytes (totals since start), host_bytes / gpu_bytes (held
+        by the tier). per_sequence=True: {request_id: TierStats(host_bytes, gpu_bytes)} of live sequences."""
+        return self.engine.tier_sequence_stats() if per_sequence else self.engine.tier_stats()
+
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], sampling_params)[0]

@@ -100,6 +100,21 @@ def tiny_checkpoint(tmp_path):
     return make
 
 
+@pytest.fixture(scope="session")
+def ckpt_with_basis(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("sp") / "q35")
+    make_checkpoint(path, "qwen3_5_text", num_hidden_layers=8, max_position_embeddings=8192)
+    calib = os.path.join(path, "calib.txt")
+    g = torch.Generator().manual_seed(5)
+    with open(calib, "w") as f:
+        f.write("".join(chr(c) for c in torch.randint(32, 127, (6000,), generator=g).tolist()))
+    from sketchkv import LLM
+    from sketchkv.kv.fit_basis import fit_basis
+    llm = LLM(path, device="cpu", block_size=16)
+    fit_basis(llm, [calib], rank=8, max_tokens=3000, seq_len=1024, out=os.path.join(path, "key_basis.safetensors"))
+    return path
+
+
 def run_interpreter_tests(test_file: str, already_interpreted: bool) -> None:
     """Run `test_file`'s `test_interp_*` tests in a fresh process with TRITON_INTERPRET=1.
 

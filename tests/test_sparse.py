@@ -8,7 +8,6 @@ from sketchkv import LLM, SamplingParams
 from sketchkv.config import SparseConfig
 from sketchkv.errors import CheckpointError
 from sketchkv.kv.basis import KeyBasis
-from sketchkv.kv.fit_basis import fit_basis
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import dequantize_int4, quantize_int4, sketch_score, sketch_score_ref
@@ -117,20 +116,6 @@ def test_interp_sparse_attention_kernel_matches_reference(shared):
 def test_interpreter_child():
     run_interpreter_tests(__file__, pa._INTERPRETED)
 
-
-
-@pytest.fixture(scope="module")
-def ckpt_with_basis(tmp_path_factory):
-    from conftest import make_checkpoint
-    path = str(tmp_path_factory.mktemp("sp") / "q35")
-    make_checkpoint(path, "qwen3_5_text", num_hidden_layers=8, max_position_embeddings=8192)
-    calib = os.path.join(path, "calib.txt")
-    g = torch.Generator().manual_seed(5)
-    with open(calib, "w") as f:
-        f.write("".join(chr(c) for c in torch.randint(32, 127, (6000,), generator=g).tolist()))
-    llm = LLM(path, device="cpu", block_size=16)
-    fit_basis(llm, [calib], rank=8, max_tokens=3000, seq_len=1024, out=os.path.join(path, "key_basis.safetensors"))
-    return path
 
 
 def _prompt(n, seed=0):

@@ -42,6 +42,9 @@ class Context:
     # decode rows (causal: row t sees the cache up to its own position)
     num_drafts: list[int] | None = None       # per sequence
     verify: VerifyRows | None = None
+    # Host tier only
+    resident_rows: torch.Tensor | None = None  # [T] int64: row of each new token in the tier's sinks/recent ring
+    hot_pids: torch.Tensor | None = None       # [B] int64: hot-buffer partition of each sequence
 
     @property
     def num_seqs(self) -> int:

@@ -75,7 +75,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.blocks, sc.max_num_seqs, prefix_caching=cc.enable_prefix_caching,
                                    states=self.runner.state_cache,
                                    snapshot_interval=cc.snapshot_interval_blocks * cc.block_size,
-                                   num_speculative_tokens=cfg.num_speculative_tokens)
+                                   num_speculative_tokens=cfg.num_speculative_tokens,
+                                   tier=self.runner.tier)
         self.rng = torch.Generator(device=self.device)
         self.rng.manual_seed(cfg.seed)
         self.requests: dict[str, Sequence] = {}
@@ -106,6 +107,8 @@ class LLMEngine:
         seq = Sequence(ids, params, request_id=request_id or "")
         if seq.request_id in self.requests:
             raise RequestError(f"request id {seq.request_id!r} is already in flight")
+        if self.runner.tier is not None:
+            self.runner.tier.check(seq)  # CapacityError: the request can never fit the tier's budgets
         seq.generator = torch.Generator(device=self.device)
         seq.generator.manual_seed(params.seed if params.seed is not None
                                   else int(torch.randint(2**62, (1,), generator=self.rng, device=self.device)))
@@ -195,6 +198,20 @@ class LLMEngine:
         self.stats["steps"] += 1
         self.stats["prefix_cache_queries"] = self.scheduler.prefix_queries
         self.stats["prefix_cache_hits"] = self.scheduler.prefix_hits
+
+    # ---- host tier -----------------------------------------------------------------------------
+    def tier_stats(self):
+        """Host tier totals (TierStats: hits, misses, PCIe bytes read / written since start, host and
+        GPU bytes allocated; one host sync), or None without the tier."""
+        return self.runner.tier.stats() if self.runner.tier is not None else None
+
+    def tier_sequence_stats(self) -> dict:
+        """{request_id: TierStats(host_bytes, gpu_bytes)} of the sequences holding tier memory now."""
+        tier = self.runner.tier
+        if tier is None:
+            return {}
+        seqs = list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.state_slot >= 0]
+        return {s.request_id: tier.seq_stats(s) for s in seqs}
 
     def teacher_force(self, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
         """Log-probabilities [len(cont), vocab] (fp32, on the CPU) that the model assigns at each

@@ -8,12 +8,14 @@ import torch
 from sketchkv.config import EngineConfig
 from sketchkv.engine.context import Context, set_context
 from sketchkv.engine.sequence import Sequence
+from sketchkv.errors import CapacityError, RequestError
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.gated_deltanet import GatedDeltaNet
 from sketchkv.layers.mlp import SparseMoE
 from sketchkv.layers.sampler import SampleOutput, sample
 from sketchkv.kv.state_cache import StateCache
 from sketchkv.layers.sparse_attention import SparseAttention
+from sketchkv.layers.tiered_attention import TieredAttention
 from sketchkv.models.model_config import ModelConfig
 
 
@@ -28,11 +30,20 @@ class ModelRunner:
         sp = cfg.sparse
         self.dense_threshold = sp.dense_threshold if sp.dense_threshold is not None else \
             sp.sink_tokens + sp.top_k + sp.recent_tokens
+        if sp.host_tier and not sp.sparse:
+            raise RequestError("sparse_host_tier needs sparse decode (sparse=True): the tier serves the sparse picks")
+        if sp.host_tier and not sp.shared_selection:
+            raise RequestError("sparse_host_tier needs sparse_shared_selection=True (one pick per token for all KV heads)")
+        if sp.host_tier and cfg.num_speculative_tokens:
+            raise RequestError("sparse_host_tier with num_speculative_tokens > 0 is not supported yet (several decode "
+                               "rows of one sequence in a tiered step)")
         if sp.sparse:
             self._install_sparse_attention()
         # MTP layers get caches only when speculative decoding is on.
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
+        self.tier_layers = [m for m in self.attn_layers if isinstance(m, TieredAttention)]
+        self.tier = None  # HostTier (sketchkv.kv.host_tier), bound with the caches
         self.gdn_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_spec = cfg.num_speculative_tokens
         self.spec = None  # speculative decoding (engine/speculative.py)
@@ -47,8 +58,12 @@ class ModelRunner:
         self.num_state_slots = cfg.scheduler.max_num_seqs + 1  # last slot: scratch for graph padding
         self.scratch_slot = self.num_state_slots - 1
         self._allocate_states()
-        self.num_blocks = cfg.cache.num_kv_blocks or self._blocks_from_budget()
-        self._allocate_kv(self.num_blocks)
+        if self.tier_layers:
+            self.num_blocks, pool_rows = self._tier_sizes()
+            self._allocate_kv(self.num_blocks, pool_rows)
+        else:
+            self.num_blocks = cfg.cache.num_kv_blocks or self._blocks_from_budget()
+            self._allocate_kv(self.num_blocks)
         # The MoE block picks its experts on the host (a sync), which a CUDA graph cannot hold.
         has_moe = any(isinstance(m, SparseMoE) for m in model.modules())
         if device.type == "cuda" and not cfg.enforce_eager and not has_moe:
@@ -68,16 +83,22 @@ class ModelRunner:
             owner = self.model.model.layers[i].self_attn
             owner.attn = SparseAttention(owner.attn, sp, basis.bases[j].to(self.device),
                                          basis.means[j].to(self.device), self.dense_threshold)
+            if sp.host_tier:
+                owner.attn = TieredAttention(owner.attn, j)
 
     # ---- memory -------------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        """K + V rows, plus the int4 sketch and its scale for sparse layers, per block of tokens."""
+        """GPU bytes per block of tokens: K + V rows (layers not in the host tier), plus the int4
+        sketch and its scale for sparse layers and the hot buffer's slot map for tiered ones."""
         c = self.model_cfg
-        layers = len(self.attn_layers) + len(self.mtp_attn_layers)  # the MTP layer's KV is paged in the same blocks
+        layers = len(self.attn_layers) - len(self.tier_layers) + len(self.mtp_attn_layers)  # MTP KV: same blocks
         kv = 2 * layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        sketch = sum(self.block_size * c.num_kv_heads * (m.rank // 2 + 2) for m in self.sparse_layers)
-        return kv + sketch
+        return kv + self.sketch_bytes_per_block + 4 * len(self.tier_layers) * self.block_size
+
+    @property
+    def sketch_bytes_per_block(self) -> int:
+        return sum(self.block_size * self.model_cfg.num_kv_heads * (m.rank // 2 + 2) for m in self.sparse_layers)
 
     @property
     def state_bytes_per_seq(self) -> int:
@@ -98,21 +119,79 @@ class ModelRunner:
                 m.ssm_spec = torch.zeros(self.num_state_slots, self.num_spec, *rec, dtype=torch.float32,
                                          device=self.device)
 
-    def _allocate_kv(self, num_blocks: int) -> None:
+    def _allocate_kv(self, num_blocks: int, pool_rows: int = 0) -> None:
         c = self.model_cfg
         for m in self.attn_layers:
-            shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+            shape = (0 if m in self.tier_layers else num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
             m.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             m.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for m in self.mtp_attn_layers:  # zeros: blocks cached without a drafter pass must not hold NaNs
             shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
             m.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             m.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.tier_layers:
+            from sketchkv.kv.host_tier import HostTier
+            sp = self.cfg.sparse
+            self.tier = None  # free the old one first
+            self.tier = HostTier(len(self.tier_layers), num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+                                 fmt=sp.host_format, sinks=sp.sink_tokens, recent=sp.recent_tokens,
+                                 hot_fraction=sp.hot_fraction, num_state_slots=self.num_state_slots,
+                                 max_model_len=self.max_model_len, pool_rows=pool_rows, dtype=self.dtype,
+                                 device=self.device, sketch_bytes_per_block=self.sketch_bytes_per_block)
+            for m in self.tier_layers:
+                m.tier = self.tier
         for m in self.sparse_layers:
             m.sketch = torch.zeros(num_blocks, self.block_size, c.num_kv_heads, m.rank // 2, dtype=torch.uint8,
                                    device=self.device)
             m.sketch_scale = torch.zeros(num_blocks, self.block_size, c.num_kv_heads, dtype=torch.float16,
                                          device=self.device)
+
+    def _tier_sizes(self) -> tuple[int, int]:
+        """(host blocks, hot-pool rows) from the tier's budgets (sketchkv.kv.host_tier)."""
+        from sketchkv.kv.host_store import HostKVStore
+        from sketchkv.kv.host_tier import HostTier, default_host_budget, hot_row_bytes
+        c, sp, sc = self.model_cfg, self.cfg.sparse, self.cfg.scheduler
+        L = len(self.tier_layers)
+        host_per_block = HostKVStore.bytes_per_token(L, c.num_kv_heads, c.head_dim, sp.host_format) * self.block_size
+        host_budget = int(sp.host_budget_gb * 2**30) if sp.host_budget_gb is not None else default_host_budget()
+        want = self.max_blocks_per_seq * sc.max_num_seqs + 1
+        num_blocks = self.cfg.cache.num_kv_blocks or min(want, host_budget // host_per_block)
+        if num_blocks < 2:
+            raise CapacityError(f"host tier budget {host_budget / 2**30:.3f} GiB holds no KV block "
+                                f"({host_per_block} B per block of {self.block_size} tokens; raise sparse_host_budget_gb)")
+        row = hot_row_bytes(L, c.num_kv_heads, c.head_dim, self.dtype)
+        fixed = HostTier.fixed_gpu_bytes(L, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype,
+                                         sp.sink_tokens, sp.recent_tokens, self.num_state_slots) \
+            + num_blocks * self.sketch_bytes_per_block
+        budget = None
+        if sp.gpu_budget_gb is not None:
+            budget = int(sp.gpu_budget_gb * 2**30)
+        elif self.device.type == "cuda":
+            budget = self._free_gpu_bytes() - self._decode_scratch_bytes()
+            if sp.host_budget_gb is None and not self.cfg.cache.num_kv_blocks:
+                # both budgets defaulted: let the per-block GPU part (sketches, slot map) take at most
+                # 3/4 of the GPU budget, so a large host RAM does not crowd out the hot pool
+                res = fixed - num_blocks * self.kv_bytes_per_block
+                cap = int(0.75 * (budget - res)) // self.kv_bytes_per_block
+                if 2 <= cap < num_blocks:
+                    num_blocks, fixed = cap, res + cap * self.kv_bytes_per_block
+        per_seq = max(64, math.ceil(sp.hot_fraction * self.max_model_len))  # the largest partition
+        if budget is None:  # CPU: enough for every sequence at full length
+            budget = fixed + sc.max_num_seqs * per_seq * row
+        pool = min((budget - fixed) // row, sc.max_num_seqs * per_seq)  # more rows could never be used
+        if pool < 1:
+            raise CapacityError(f"GPU budget {budget / 2**30:.3f} GiB is below the host tier's fixed part "
+                                f"{fixed / 2**30:.3f} GiB (sketches of {num_blocks} host blocks, sinks + recent rows "
+                                f"of {self.num_state_slots} sequences): raise sparse_gpu_budget_gb or lower "
+                                f"sparse_host_budget_gb / max_num_seqs")
+        return num_blocks, int(pool)
+
+    def _decode_scratch_bytes(self) -> int:
+        """Transient GPU bytes of a tiered decode step at full batch (compact K/V scratch and its
+        temporaries: ~3 copies of [B, S + k + R, Hkv, D] for K and V)."""
+        sp, c = self.cfg.sparse, self.model_cfg
+        n = sp.sink_tokens + sp.top_k + sp.recent_tokens
+        return 6 * self.cfg.scheduler.max_num_seqs * n * c.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def _blocks_from_budget(self) -> int:
         if not self.attn_layers:
@@ -121,7 +200,16 @@ class ModelRunner:
             budget = int(self.cfg.cache.cpu_kv_cache_gb * 2**30)
             want = self.max_blocks_per_seq * self.cfg.scheduler.max_num_seqs + 1
             return max(2, min(want, budget // self.kv_bytes_per_block))
-        # Measure the activation peak of a full-budget prefill with a small temporary cache.
+        free = self._free_gpu_bytes()
+        blocks = int(free // self.kv_bytes_per_block)
+        if blocks < 2:
+            raise CapacityError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after weights and "
+                                f"activations at gpu_memory_utilization={self.cfg.cache.gpu_memory_utilization})")
+        return blocks
+
+    def _free_gpu_bytes(self) -> int:
+        """GPU bytes left for caches: total x utilization - (weights + the activation peak of a
+        full-budget prefill, measured with a small temporary cache)."""
         n_tok = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
         warm_blocks = math.ceil(n_tok / self.block_size) + 1
         self._allocate_kv(warm_blocks)
@@ -132,22 +220,16 @@ class ModelRunner:
         self.run([(seq, n_tok)], sample_now=False)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        warm_bytes = warm_blocks * self.kv_bytes_per_block
+        warm_bytes = warm_blocks * self.kv_bytes_per_block + (self.tier.gpu_bytes if self.tier else 0)
         self._allocate_kv(0)
+        self.tier = None
         torch.cuda.empty_cache()
         free_now, total = torch.cuda.mem_get_info(self.device)
         activations = peak - warm_bytes - torch.cuda.memory_allocated(self.device)
         # Our share of the card, but never more than is free now: another process (or another engine in
         # this one) may hold part of it. 1 GiB stays free for CUDA graphs and the allocator's slack.
-        budget = min(total * self.cfg.cache.gpu_memory_utilization - (peak - warm_bytes),
-                     free_now - activations - 2**30)
-        blocks = int(budget // self.kv_bytes_per_block)
-        if blocks < 2:
-            from sketchkv.errors import CapacityError
-            raise CapacityError(f"no GPU memory left for the KV cache (peak use {peak / 2**30:.1f} GiB, "
-                                f"{free_now / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB at "
-                                f"gpu_memory_utilization={self.cfg.cache.gpu_memory_utilization})")
-        return blocks
+        return int(min(total * self.cfg.cache.gpu_memory_utilization - (peak - warm_bytes),
+                       free_now - activations - 2**30))
 
     # ---- batch -> tensors ----------------------------------------------------------------------
     def _context(self, batch: list[tuple[Sequence, int]]):
@@ -172,7 +254,14 @@ class ModelRunner:
             state_slots=t([seq.state_slot for seq, _ in batch], torch.int64),
             query_lens=qlens, context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
             max_seq_len=max(c + n for c, n in zip(cached, qlens)))
-        ctx.sparse = bool(self.sparse_layers) and ctx.max_seq_len > self.dense_threshold
+        # with the host tier every decode takes the tier path (it is exact when k >= context)
+        ctx.sparse = bool(self.sparse_layers) and (self.tier is not None or ctx.max_seq_len > self.dense_threshold)
+        if self.tier is not None:
+            rows = [self.tier.resident_row(seq.state_slot, p, seq.num_cached + n)
+                    for seq, n in batch for p in range(seq.num_cached, seq.num_cached + n)]
+            ctx.resident_rows = t(rows, torch.int64)
+            ctx.hot_pids = t([seq.tier_pid if seq.tier_pid >= 0 else self.tier.pad_pid for seq, _ in batch],
+                             torch.int64)
         drafts = [seq.num_drafts(n) for seq, n in batch]
         ctx.num_drafts = drafts if any(drafts) else None
         dec = [b for b in range(len(batch)) if ctx.decodes(b)]
@@ -200,6 +289,8 @@ class ModelRunner:
             if seq.restore_hash is not None:
                 self.state_cache.restore(seq.restore_hash, self.slot_states(seq.state_slot))
                 seq.restore_hash = None
+        if self.tier is not None:
+            self.tier.prepare(batch)
 
     def slot_states(self, slot: int) -> list[torch.Tensor]:
         """Views of one slot's state in every GDN layer (conv, recurrent, conv, ...)."""
@@ -257,8 +348,12 @@ class ModelRunner:
         self.g_state_slots = torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=dev)
         self.g_out = torch.zeros(max_bs, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        if self.tier is not None:  # padded rows: resident writes to the dump row, an empty hot partition
+            self.g_resident_rows = torch.full((max_bs,), self.tier.dump_row, dtype=torch.int64, device=dev)
+            self.g_hot_pids = torch.full((max_bs,), self.tier.pad_pid, dtype=torch.int64, device=dev)
         pool = None
-        families = [False, True] if self.sparse_layers else [False]  # dense graphs, sparse graphs
+        # dense graphs, sparse graphs (with the host tier every decode is sparse)
+        families = [True] if self.tier is not None else [False, True] if self.sparse_layers else [False]
         for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:
             ctx = self._graph_context(bs)
             ctx.sparse = sparse
@@ -276,10 +371,13 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
 
     def _graph_context(self, bs: int) -> Context:
-        return Context(cu_seqlens_q=self.g_cu[:bs + 1], seq_lens=self.g_seq_lens[:bs],
-                       slot_mapping=self.g_slot_mapping[:bs], block_tables=self.g_tables[:bs],
-                       state_slots=self.g_state_slots[:bs], query_lens=[1] * bs, context_lens=[1] * bs,
-                       is_decode=True, max_seq_len=self.max_model_len, graph=True)
+        ctx = Context(cu_seqlens_q=self.g_cu[:bs + 1], seq_lens=self.g_seq_lens[:bs],
+                      slot_mapping=self.g_slot_mapping[:bs], block_tables=self.g_tables[:bs],
+                      state_slots=self.g_state_slots[:bs], query_lens=[1] * bs, context_lens=[1] * bs,
+                      is_decode=True, max_seq_len=self.max_model_len, graph=True)
+        if self.tier is not None:
+            ctx.resident_rows, ctx.hot_pids = self.g_resident_rows[:bs], self.g_hot_pids[:bs]
+        return ctx
 
     def _replay(self, input_ids, positions, ctx: Context, key: tuple[bool, int]) -> torch.Tensor:
         bs, bucket = len(ctx.query_lens), key[1]
@@ -296,5 +394,11 @@ class ModelRunner:
         self.g_tables[:bs, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0)
         self.g_seq_lens[:bs] = ctx.seq_lens
         self.g_state_slots[:bs] = ctx.state_slots
+        if self.tier is not None:
+            self.g_resident_rows[:bucket].fill_(self.tier.dump_row)
+            self.g_hot_pids[:bucket].fill_(self.tier.pad_pid)
+            self.g_resident_rows[:bs] = ctx.resident_rows
+            self.g_hot_pids[:bs] = ctx.hot_pids
+            self.tier.store.wait()  # host writes of eager steps (side stream) land before the graph reads
         self.graphs[key].replay()
         return self.g_out[:bs]

@@ -17,14 +17,17 @@ from sketchkv.kv.state_cache import StateCache
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, num_state_slots: int,
                  prefix_caching: bool = False, states: StateCache | None = None, snapshot_interval: int = 0,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, tier=None):
         """states: GDN snapshots (hybrid models; None for dense models, whose KV alone is the state).
         snapshot_interval: tokens between GDN snapshots (a multiple of the block size; 0 = only at
         each prompt's last block boundary). num_speculative_tokens: drafts per running sequence
-        and step (fewer near its token limits or when blocks run short)."""
+        and step (fewer near its token limits or when blocks run short). tier: the host KV tier (its
+        hot-buffer partitions are GPU memory a sequence holds while it has a state slot; a sequence
+        waits until one is free)."""
         self.cfg = cfg
         self.num_spec = num_speculative_tokens
         self.blocks = blocks
+        self.tier = tier
         self.prefix_caching, self.states, self.snapshot_interval = prefix_caching, states, snapshot_interval
         self.prefix_queries = self.prefix_hits = 0
         self.free_slots = deque(range(num_state_slots))
@@ -64,7 +67,11 @@ class Scheduler:
             if seq.state_slot < 0:
                 if in_flight >= self.cfg.max_num_seqs or not self.free_slots:
                     break
+                if self.tier is not None and not self.tier.can_add(seq):
+                    break
                 seq.state_slot = self.free_slots.popleft()
+                if self.tier is not None:
+                    self.tier.add(seq)
                 if self.prefix_caching and not seq.block_table:
                     self._reuse_prefix(seq)
             n = self._chunk(seq, budget)
@@ -72,6 +79,8 @@ class Scheduler:
                 if seq.num_cached == 0 and not seq.block_table:
                     self.free_slots.appendleft(seq.state_slot)
                     seq.state_slot = -1
+                    if self.tier is not None:
+                        self.tier.remove(seq)
                 break
             self.blocks.grow(seq, seq.num_cached + n)
             batch.append((seq, n))
@@ -159,6 +168,8 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        if self.tier is not None:
+            self.tier.remove(seq)
         if seq.state_slot >= 0:
             self.free_slots.append(seq.state_slot)
             seq.state_slot = -1

@@ -42,6 +42,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step, after the last token
     draft_probs: object = None                            # [k, vocab] draft distribution (sampling), or None (greedy)
     mtp_hidden: object = None                             # drafter state after the last computed token
+    tier_pid: int = -1                                    # host tier: its hot-buffer partition
 
     def __post_init__(self):
         if not self.token_ids:

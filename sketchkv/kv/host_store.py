@@ -213,8 +213,8 @@ class HostKVStore:
                dst_rows: torch.Tensor | None = None, *, sort: bool = False, **kw):
         """The miss path: host_gather from this layer's rows (after its pending writes, GPU-side),
         counting the bytes read (rows [N]: a full row per pick; [Hkv, N]: a head record)."""
-        if dst_k.is_cuda and self._events[layer] is not None:
-            self.wait(layer)
+        if dst_k.is_cuda and self._events[layer] is not None and not torch.cuda.is_current_stream_capturing():
+            self.wait(layer)  # (inside a graph capture the writes are on the captured stream: ordered)
         host_gather(self.rows(layer), rows, dst_k, dst_v, self.fmt, dst_rows, sort=sort, **kw)
         per_pick = self.head_bytes if rows.dim() == 2 else self.row_bytes
         self.counters.add("pcie_read_bytes", (rows >= 0).sum() * per_pick)

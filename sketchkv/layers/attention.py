@@ -48,9 +48,13 @@ class Attention(nn.Module):
             if cached == 0:  # fresh prompt: its K/V are exactly this step's rows
                 kb, vb = k[start:end], v[start:end]
             else:
-                kb, vb = gather_kv(self.k_cache, self.v_cache, ctx.block_tables[b], cached + n)
+                kb, vb = self.context_kv(ctx.block_tables[b], cached, k[start:end], v[start:end])
             out[start:end] = prefix_causal_attention(q[start:end], kb.to(q.dtype), vb.to(q.dtype), self.scale)
         return out
+
+    def context_kv(self, block_table, cached: int, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of a prompt chunk's whole context (cached prefix + the chunk's k, v): [cached + n, Hkv, D]."""
+        return gather_kv(self.k_cache, self.v_cache, block_table, cached + k.shape[0])
 
     dense_threshold = float("inf")  # the sparse layer sets its own
 

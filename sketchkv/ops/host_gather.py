@@ -184,7 +184,7 @@ def host_gather_triton(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, rows
     Hkv, D, hb = _check(src, rows, dst_k, dst_v, fmt, dst_rows)
     assert D & (D - 1) == 0 and D >= 16, "head_dim must be a power of two >= 16"
     assert rows.stride(-1) == 1 and (dst_rows is None or dst_rows.stride(-1) == 1)
-    if dst_k.is_cuda:
+    if dst_k.is_cuda and not torch.cuda.is_current_stream_capturing():
         assert src.is_cuda or src.is_pinned(), "host rows must be pinned (page-locked) for zero-copy reads"
     per_head = rows.dim() == 2
     N = rows.shape[-1]
@@ -236,7 +236,7 @@ def host_scatter_rows_triton(dst, slots, src, *, rows_per_program=8, num_warps=4
     T, rb = src.shape
     assert dst.dtype == src.dtype == torch.uint8 and dst.shape[1] == rb and rb % 4 == 0
     assert dst.is_contiguous() and src.is_contiguous() and slots.is_contiguous()
-    if src.is_cuda:
+    if src.is_cuda and not torch.cuda.is_current_stream_capturing():
         assert dst.is_cuda or dst.is_pinned(), "host rows must be pinned (page-locked) for zero-copy writes"
     if T == 0:
         return dst

@@ -37,12 +37,28 @@ class ServerMetrics:
         self.spec_accepted_length = Gauge(p + "spec_mean_accepted_length",
                                           "speculative decoding: tokens per verification step (accepted drafts + 1)",
                                           registry=r)
+        # host KV tier (sparse_host_tier): zero until the engine has one
+        self.tier_hits = Counter(p + "tier_hits", "host tier: picked rows found in the GPU hot buffer", registry=r)
+        self.tier_misses = Counter(p + "tier_misses", "host tier: picked rows read from host memory", registry=r)
+        self.tier_pcie_read_bytes = Counter(p + "tier_pcie_read_bytes", "host tier: bytes read from host memory "
+                                            "(misses, prefix read-back)", registry=r)
+        self.tier_pcie_write_bytes = Counter(p + "tier_pcie_write_bytes", "host tier: K/V bytes written to host memory",
+                                             registry=r)
+        self.tier_hit_rate = Gauge(p + "tier_hit_rate", "host tier: hits / (hits + misses) since start", registry=r)
+        self.tier_host_bytes = Gauge(p + "tier_host_bytes", "host tier: host bytes allocated", registry=r)
+        self.tier_gpu_bytes = Gauge(p + "tier_gpu_bytes", "host tier: GPU bytes allocated (sketches, sinks + recent "
+                                    "rows, hot buffer)", registry=r)
+        self.tier_host_bytes_used = Gauge(p + "tier_host_bytes_used", "host tier: host bytes of live sequences' "
+                                          "blocks", registry=r)
+        self.tier_gpu_bytes_used = Gauge(p + "tier_gpu_bytes_used", "host tier: GPU bytes held by live sequences",
+                                         registry=r)
         self.engine_alive = Gauge(p + "engine_alive", "1 while the engine thread runs", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to first generated token",
                               buckets=_TIME_BUCKETS, registry=r)
         self.latency = Histogram(p + "e2e_request_latency_seconds", "request arrival to last token",
                                  buckets=_TIME_BUCKETS, registry=r)
         self._last = {"generation_tokens": 0, "prompt_tokens": 0, "steps": 0}
+        self._tier_last = {"hits": 0, "misses": 0, "pcie_read_bytes": 0, "pcie_write_bytes": 0}
         self._window = rate_window_s
         self._samples: deque[tuple[float, int]] = deque()
 
@@ -71,6 +87,21 @@ class ServerMetrics:
         queries = stats.get("prefix_cache_queries", 0)
         self.prefix_cache_hit_rate.set(stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
         self.spec_accepted_length.set(stats.get("spec_mean_accepted_length", 0.0))
+        tier = engine.tier_stats()  # one small device->host copy per step
+        if tier is not None:
+            for key, counter in (("hits", self.tier_hits), ("misses", self.tier_misses),
+                                 ("pcie_read_bytes", self.tier_pcie_read_bytes),
+                                 ("pcie_write_bytes", self.tier_pcie_write_bytes)):
+                v = getattr(tier, key)
+                if v > self._tier_last[key]:
+                    counter.inc(v - self._tier_last[key])
+                self._tier_last[key] = v
+            self.tier_hit_rate.set(tier.hit_rate)
+            self.tier_host_bytes.set(tier.host_bytes)
+            self.tier_gpu_bytes.set(tier.gpu_bytes)
+            per_seq = engine.tier_sequence_stats().values()
+            self.tier_host_bytes_used.set(sum(s.host_bytes for s in per_seq))
+            self.tier_gpu_bytes_used.set(sum(s.gpu_bytes for s in per_seq))
 
     # ---- handlers ------------------------------------------------------------------------------
     def observe_request(self, finish_reason: str, ttft: float | None, latency: float) -> None:

@@ -1,0 +1,235 @@
+"""The host tier as the engine runs it: full-attention K/V in host RAM, the GPU keeps what a step needs.
+
+Owns, for the tiered layers (every full-attention layer, numbered 0..L-1 in model order):
+  store     HostKVStore: every token's K/V, quantised (int4 | int8 | bf16), in pinned host RAM,
+            at the paged slot (block * block_size + offset). The block manager's blocks *are* host
+            blocks: the GPU holds no paged K/V for these layers, only the int4 key sketch per block.
+  resident  per GDN/state slot, the sink rows and a ring of the recent rows, in the model dtype:
+            res_k / res_v [L, num_state_slots * (S + R) + 1, Hkv, D] (the last row absorbs masked
+            writes). Token p of the sequence in state slot s lives at row s*(S+R) + p (p < S) or
+            s*(S+R) + S + p % R (the recent ring; only the last R tokens of a step are written).
+  hot       HotBuffer: picked rows, one partition per sequence (hot_fraction of its tokens),
+            windowed CLOCK; keyed by host slot, so prefix-shared blocks hit across sequences.
+
+One decode step of layer l (`gather`, then attention, then `hot.admit`; no host sync, fixed shapes):
+  selected positions -> sinks / recent tail from `resident`, picks -> host slots -> hot lookup ->
+  hits from the hot pool, misses read from pinned host memory by the zero-copy gather (sorted by
+  address) -> one compact [B, N, Hkv, D] K/V scratch in selection order, which the existing
+  paged decode kernel reads as a paged cache (block size 16, seq_len = count).
+
+Prefill: a chunk whose sequence has cached tokens (chunked prefill, prefix-cache hit) reads those
+tokens back from the host tier into a transient GPU buffer (one layer at a time), i.e. attends over
+host-format K/V for the earlier part (exact with bf16 rows and a bf16 model). A sequence that
+starts from a shared prefix gets its sinks and recent ring filled from the host rows (at most S + R
+rows per layer: no bulk copy; follow-up turns move only picked rows).
+
+Budgets: host_budget_gb sizes the store (hence the number of KV blocks); gpu_budget_gb covers the
+sketches of all host blocks, the slot map, the resident rows of every state slot and the hot pool,
+which gets the rest. A request whose prompt cannot fit (host blocks, or its minimum hot partition)
+is refused at add_request (CapacityError); one that fits but finds no free hot rows waits.
+"""
+import math
+
+import torch
+
+from sketchkv.errors import CapacityError
+from sketchkv.kv.host_store import HostKVStore, TierStats, positions_to_slots
+from sketchkv.kv.hot_buffer import HotBuffer
+
+SENTINEL = torch.iinfo(torch.int32).max
+ATTN_BLOCK = 16  # the compact scratch is read by the paged decode kernel as blocks of this many rows
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else 8 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def hot_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """GPU bytes of one hot-pool row over all layers (K + V + key + bit)."""
+    return num_layers * (2 * num_kv_heads * head_dim * dtype.itemsize + 8 + 1)
+
+
+class HostTier:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                 fmt: str, sinks: int, recent: int, hot_fraction: float, num_state_slots: int,
+                 max_model_len: int, pool_rows: int, dtype: torch.dtype, device: torch.device,
+                 sketch_bytes_per_block: int = 0):
+        self.L, self.block_size, self.Hkv, self.D, self.dtype = num_layers, block_size, num_kv_heads, head_dim, dtype
+        self.sinks, self.recent = sinks, max(recent, 1)
+        self.width = sinks + self.recent                # resident rows per state slot
+        self.max_model_len = max_model_len
+        self.store = HostKVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, fmt,
+                                 pin=device.type == "cuda", device=device)
+        n_res = num_state_slots * self.width + 1
+        self.dump_row = n_res - 1
+        self.res_k = torch.zeros(num_layers, n_res, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.res_v = torch.zeros_like(self.res_k)
+        self.hot = HotBuffer(num_layers, self.store.num_slots, pool_rows, num_kv_heads, head_dim, dtype, device,
+                             fraction=hot_fraction, min_rows=min(64, pool_rows), max_seqs=num_state_slots + 1)
+        self.pad_pid = self.hot.add_sequence(rows=0)    # CUDA-graph padding rows: an empty partition
+        self.max_part_rows = max(1, min(pool_rows, self.hot.rows_for(max_model_len)))
+        self.sketch_bytes_per_block = sketch_bytes_per_block
+        self._unfilled: set[int] = set()                # sequences whose resident rows are not set up yet
+
+    # ---- sizes ------------------------------------------------------------------------------------
+    @staticmethod
+    def fixed_gpu_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, sinks, recent,
+                        num_state_slots) -> int:
+        """GPU bytes besides the hot pool and the sketches: resident rows + the hot slot map."""
+        res = num_layers * (num_state_slots * (sinks + max(recent, 1)) + 1) * 2 * num_kv_heads * head_dim * dtype.itemsize
+        return res + num_layers * (num_blocks * block_size + 1) * 4
+
+    @property
+    def resident_row_bytes(self) -> int:
+        return self.L * 2 * self.Hkv * self.D * self.dtype.itemsize
+
+    @property
+    def gpu_bytes(self) -> int:
+        res = (self.res_k.numel() + self.res_v.numel()) * self.res_k.element_size()
+        return res + self.hot.gpu_bytes + self.store.num_blocks * self.sketch_bytes_per_block
+
+    # ---- per sequence (scheduling time, host side) ----------------------------------------------------
+    def target_tokens(self, seq) -> int:
+        """Tokens the sequence is expected to reach: prompt + max_tokens (prompt only when unbounded)."""
+        extra = seq.params.max_tokens if seq.params is not None and seq.params.max_tokens else 0
+        return min(self.max_model_len, len(seq) + extra)
+
+    def rows_for(self, seq) -> int:
+        return min(self.hot.rows_for(self.target_tokens(seq)), self.max_part_rows)
+
+    def check(self, seq) -> None:
+        """Refuse (CapacityError) a request that can never fit: its prompt exceeds the host tier, or
+        its hot partition exceeds the whole GPU pool. Anything smaller waits for room."""
+        n = len(seq) + 1
+        blocks = math.ceil(n / self.block_size)
+        if blocks > self.store.num_blocks - 1:
+            per_tok = self.store.bytes_per_block / self.block_size
+            raise CapacityError(
+                f"request {seq.request_id}: {n} tokens need {n * per_tok / 2**30:.3f} GiB of host KV "
+                f"({self.store.fmt}), the host tier holds {(self.store.num_blocks - 1) * self.store.bytes_per_block / 2**30:.3f} GiB "
+                f"(raise sparse_host_budget_gb)")
+        rows = self.hot.rows_for(n)
+        if rows > self.hot.P:
+            raise CapacityError(
+                f"request {seq.request_id}: {n} tokens need {rows} hot-buffer rows "
+                f"({rows * self.hot.row_bytes / 2**30:.3f} GiB of GPU), the GPU budget leaves {self.hot.P} "
+                f"(raise sparse_gpu_budget_gb or lower sparse_hot_fraction)")
+
+    def can_add(self, seq) -> bool:
+        return self.hot.can_add(rows=self.rows_for(seq))
+
+    def add(self, seq) -> None:
+        seq.tier_pid = self.hot.add_sequence(rows=self.rows_for(seq))
+        self._unfilled.add(seq.seq_id)
+
+    def remove(self, seq) -> None:
+        if seq.tier_pid >= 0:
+            self.hot.remove_sequence(seq.tier_pid)
+            seq.tier_pid = -1
+        self._unfilled.discard(seq.seq_id)
+
+    def resident_row(self, state_slot: int, pos: int, end: int) -> int:
+        """Row of token `pos` in `resident` when a step ends at `end` tokens (dump: not kept)."""
+        if pos < self.sinks:
+            return state_slot * self.width + pos
+        if pos >= end - self.recent:
+            return state_slot * self.width + self.sinks + pos % self.recent
+        return self.dump_row
+
+    def prepare(self, batch) -> None:
+        """Before a sequence's first step: if it starts from a shared prefix, copy the prefix's sink
+        and recent rows from the host into its resident rows (at most S + R rows per layer)."""
+        for seq, _ in batch:
+            if seq.seq_id not in self._unfilled:
+                continue
+            self._unfilled.discard(seq.seq_id)
+            c = seq.num_cached
+            if c == 0:
+                continue
+            pos = sorted(set(range(min(self.sinks, c))) | set(range(max(self.sinks, c - self.recent), c)))
+            slots = [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in pos]
+            rows = [self.resident_row(seq.state_slot, p, c) for p in pos]
+            dev = self.res_k.device
+            slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+            for layer in range(self.L):
+                self.store.gather(layer, slots_t, self.res_k[layer], self.res_v[layer], rows_t)
+
+    # ---- one step of one layer (device side, no host sync) ------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, resident_rows: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """New tokens: K/V to the host rows (async), to the resident rows (sinks, recent ring), and
+        forget any hot row held for a slot that now gets new content."""
+        self.store.write(layer, slots, k, v)
+        self.hot.invalidate(slots, layer)
+        self.res_k[layer].index_copy_(0, resident_rows, k.to(self.dtype))
+        self.res_v[layer].index_copy_(0, resident_rows, v.to(self.dtype))
+
+    def read_prefix(self, layer: int, block_table: torch.Tensor, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of tokens 0..n-1 of one sequence, read back from the host rows: [n, Hkv, D] each."""
+        dev = self.res_k.device
+        slots = positions_to_slots(block_table[None], torch.arange(n, device=dev)[None], self.block_size)[0]
+        k = torch.empty(n, self.Hkv, self.D, dtype=dtype, device=dev)
+        v = torch.empty_like(k)
+        self.store.gather(layer, slots, k, v)
+        return k, v
+
+    def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, state_slots: torch.Tensor):
+        """pos [B, N] selected positions (ascending, SENTINEL-padded; the first counts[b] valid) ->
+        k, v [B, Np, Hkv, D] (Np = N rounded up to ATTN_BLOCK; row j: position pos[b, j]) and miss
+        keys [B, Np] (host slot of each row read from host memory, -1 elsewhere: what to admit)."""
+        B, N = pos.shape
+        Np = -(-N // ATTN_BLOCK) * ATTN_BLOCK
+        p = torch.nn.functional.pad(pos.long(), (0, Np - N), value=SENTINEL)
+        dev = p.device
+        valid = torch.arange(Np, device=dev)[None] < counts.long()[:, None]
+        n = seq_lens.long()[:, None]
+        sink = valid & (p < self.sinks)
+        tail = valid & ~sink & (p >= torch.clamp(n - self.recent, min=self.sinks))
+        pick = valid & ~sink & ~tail
+        res = state_slots.long()[:, None] * self.width + torch.where(sink, p, self.sinks + p % self.recent)
+        res = torch.where(sink | tail, res, self.dump_row)
+        slots = positions_to_slots(block_tables, p, self.block_size, valid=pick)
+        hot_rows = self.hot.lookup(layer, slots)
+        hit = (hot_rows >= 0)[..., None, None]
+        hr = torch.where(hot_rows >= 0, hot_rows, self.hot.dump_row)
+        k = torch.where(hit, self.hot.k[layer][hr], self.res_k[layer][res])
+        v = torch.where(hit, self.hot.v[layer][hr], self.res_v[layer][res])
+        miss = torch.where(pick & (hot_rows < 0), slots, -1)
+        self.store.gather(layer, miss.flatten(), k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D),
+                          sort=True)
+        return k, v, miss
+
+    # ---- accounting ---------------------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        """Totals since start: hits, misses, PCIe bytes (one host sync); host/GPU bytes allocated."""
+        s = self.store.stats() + self.hot.stats()
+        return TierStats(s.hits, s.misses, s.pcie_read_bytes, s.pcie_write_bytes, self.store.total_bytes,
+                         self.gpu_bytes)
+
+    def seq_stats(self, seq) -> TierStats:
+        """Memory one sequence holds: host rows of its blocks (shared prefix blocks counted in full),
+        and on the GPU its resident rows, hot partition, sketches and slot-map entries."""
+        blocks = len(seq.block_table)
+        part = self.hot._parts.get(seq.tier_pid, (0, 0))[1] if seq.tier_pid >= 0 else 0
+        gpu = (self.width * self.resident_row_bytes + part * self.hot.row_bytes
+               + blocks * (self.sketch_bytes_per_block + self.L * self.block_size * 4))
+        return TierStats(host_bytes=blocks * self.store.bytes_per_block, gpu_bytes=gpu)
+
+    def __repr__(self) -> str:
+        return (f"HostTier({self.store!r}, hot pool {self.hot.P} rows, resident {self.width} rows/seq, "
+                f"GPU {self.gpu_bytes / 2**30:.2f} GiB)")
+
+
+def default_host_budget() -> int:
+    """Half of the host RAM available now."""
+    return available_host_bytes() // 2

@@ -1,0 +1,489 @@
+"""The host tier inside the engine: sparse decode reading sinks / tail / hot rows / host misses.
+
+CPU runs are the spec (the tier lives in ordinary memory there); GPU tests carry the `gpu` marker
+(pinned memory, zero-copy misses, CUDA graphs). The tiny checkpoint is fp32 on the CPU, so bf16
+host rows round the picked K/V: tokens must match tier-off, log-probabilities within bf16 noise.
+"""
+import pytest
+import torch
+
+from sketchkv import LLM, SamplingParams
+from sketchkv.errors import CapacityError
+from sketchkv.kv.host_store import HostKVStore
+from sketchkv.layers.tiered_attention import TieredAttention
+from sketchkv.ops import paged_attention as pa
+from conftest import run_interpreter_tests
+
+needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
+SPARSE = dict(sparse=True, sparse_top_k=16, sparse_sink_tokens=4, sparse_recent_tokens=8, sparse_dense_threshold=0)
+
+
+def _prompt(n, seed=0):
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _llm(path, tier: bool, fmt="bf16", **kw):
+    opts = dict(device="cpu", block_size=16, max_num_seqs=4, **SPARSE)
+    if tier:
+        opts.update(sparse_host_tier=True, sparse_host_format=fmt)
+    return LLM(path, **{**opts, **kw})
+
+
+def _gpu_budget(tier, pool_rows: int) -> float:
+    """GiB for the tier's fixed GPU part (as sized by the runner) plus pool_rows hot rows."""
+    return (tier.gpu_bytes - tier.hot.P * tier.hot.row_bytes + pool_rows * tier.hot.row_bytes) / 2**30
+
+
+def test_tier_bf16_same_tokens_as_tier_off(ckpt_with_basis):
+    """Chunked prefill (prefix read back from the tier), mixed steps and sparse decode with misses
+    and hits: the same greedy tokens as without the tier."""
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+    prompts = [_prompt(300, 1), _prompt(90, 2), _prompt(170, 3)]
+    for kw in ({}, {"max_num_batched_tokens": 64}):
+        off = _llm(ckpt_with_basis, False, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)
+        llm = _llm(ckpt_with_basis, True, **kw)
+        on = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        for a, b in zip(off, on):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 3e-2  # bf16 rows, fp32 model
+        s = llm.tier_stats()
+        assert s.hits > 0 and s.misses > 0 and s.pcie_read_bytes > 0
+
+
+def test_tier_bf16_rows_bf16_model_bit_exact(tmp_path):
+    """A bf16 model (qwen3, basis fitted in bf16) with bf16 host rows: the tier reads back exactly the
+    values tier-off keeps on the device, so tokens and log-probabilities are identical, through
+    chunked prefill, mixed steps, sparse decode and a follow-up turn from the prefix cache."""
+    from conftest import make_checkpoint
+    from sketchkv.kv.fit_basis import fit_basis
+    path = str(tmp_path / "qwen3")
+    make_checkpoint(path, "qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    num_hidden_layers=3, max_position_embeddings=8192)
+    calib = str(tmp_path / "calib.txt")
+    g = torch.Generator().manual_seed(5)
+    with open(calib, "w") as f:
+        f.write("".join(chr(c) for c in torch.randint(32, 127, (6000,), generator=g).tolist()))
+    fit_basis(LLM(path, device="cpu", dtype="bfloat16", block_size=16), [calib], rank=8, max_tokens=3000,
+              seq_len=1024, out=str(tmp_path / "qwen3" / "key_basis.safetensors"))
+    first, other = _prompt(300, 21), _prompt(120, 22)
+    follow = first + _prompt(50, 23)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = []
+    for tier in (False, True):
+        llm = _llm(path, tier, dtype="bfloat16", max_num_batched_tokens=96)
+        a = llm.generate(prompt_token_ids=[first, other], sampling_params=sp)
+        b = llm.generate(prompt_token_ids=[follow], sampling_params=sp)[0]
+        assert b.num_cached_tokens >= 256
+        outs.append([(o.token_ids, o.logprobs) for o in a + [b]])
+    assert outs[0] == outs[1]
+
+
+def test_tier_topk_ge_context_equals_dense(ckpt_with_basis):
+    """top_k >= context: every token is read (sinks + tail resident, the rest via hot buffer / host)."""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [_prompt(200, 4), _prompt(60, 5)]
+    dense = LLM(ckpt_with_basis, device="cpu", block_size=16).generate(prompt_token_ids=prompts, sampling_params=sp)
+    llm = _llm(ckpt_with_basis, True, sparse_top_k=4096)
+    on = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    for d, t in zip(dense, on):
+        assert d.token_ids == t.token_ids
+        assert max(abs(a - b) for a, b in zip(d.logprobs, t.logprobs)) < 5e-3
+    _, counts = llm.engine.runner.tier_layers[0].last_indices
+    assert counts.tolist() == [200 + 11, 60 + 11]
+
+
+def test_tier_gpu_kv_cache_shrinks(ckpt_with_basis):
+    """With the tier the full-attention layers hold no paged K/V on the device: only sketches."""
+    off, on = _llm(ckpt_with_basis, False).engine.runner, _llm(ckpt_with_basis, True).engine.runner
+    assert on.tier_layers and all(isinstance(m, TieredAttention) for m in on.attn_layers)
+    assert all(m.k_cache.numel() == 0 and m.v_cache.numel() == 0 for m in on.tier_layers)
+    assert on.kv_bytes_per_block < off.kv_bytes_per_block / 4
+    c = on.model_cfg
+    assert on.tier.store.row_bytes == c.num_kv_heads * 4 * c.head_dim  # bf16 K + V
+
+
+@pytest.mark.parametrize("fmt,min_agree", [("int8", 0.95), ("int4", 0.8)])
+def test_tier_quantized_top1_agreement(ckpt_with_basis, fmt, min_agree):
+    """Teacher-forced continuations: the argmax with int4 / int8 host rows agrees with tier-off."""
+    prompts = [_prompt(400, 6), _prompt(250, 7)]
+    conts = [_prompt(40, 8), _prompt(40, 9)]
+    ref = _llm(ckpt_with_basis, False).teacher_force(prompts, conts)
+    got = _llm(ckpt_with_basis, True, fmt).teacher_force(prompts, conts)
+    agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(ref, got)]).mean().item()
+    kl = torch.cat([(a.exp() * (a - b)).sum(-1) for a, b in zip(ref, got)]).mean().item()
+    assert agree >= min_agree, (agree, kl)
+    assert kl < 0.05
+
+
+def test_tier_follow_up_turn_reuses_prefix(ckpt_with_basis):
+    """A follow-up request whose prefix sits in the tier: its sinks / recent rows come from the host
+    rows (no bulk copy) and it decodes as tier-off does."""
+    first = _prompt(300, 10)
+    follow = first + _prompt(40, 11)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = []
+    for tier in (False, True):
+        llm = _llm(ckpt_with_basis, tier)
+        llm.generate(prompt_token_ids=[first], sampling_params=sp)
+        out = llm.generate(prompt_token_ids=[follow], sampling_params=sp)[0]
+        assert out.num_cached_tokens >= 256
+        outs.append(out.token_ids)
+    assert outs[0] == outs[1]
+
+
+def test_tier_refuses_over_budget_others_unaffected(ckpt_with_basis):
+    """Host budget of ~40 blocks and a GPU budget for ~2 small partitions: a request that can never
+    fit is refused at once with one clear line; the requests in flight finish as they would alone."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    small = [_prompt(120, 12), _prompt(100, 13)]
+    alone = _llm(ckpt_with_basis, True).generate(prompt_token_ids=small, sampling_params=sp)
+    probe = _llm(ckpt_with_basis, True).engine.runner.tier
+    host = 40 * probe.store.bytes_per_block / 2**30
+    eng = _llm(ckpt_with_basis, True, sparse_host_budget_gb=host).engine
+    seqs = [eng.add_request(p, sp) for p in small]
+    eng.step()
+    with pytest.raises(CapacityError, match=r"host KV .* sparse_host_budget_gb") as e:
+        eng.add_request(_prompt(700, 14), sp)
+    assert "\n" not in str(e.value)
+    while eng.has_unfinished:
+        eng.step()
+    assert [s.output_token_ids for s in seqs] == [a.token_ids for a in alone]
+    # GPU: the fixed part plus 150 hot rows; a 7000-token prompt needs 175 rows (2.5%)
+    eng = _llm(ckpt_with_basis, True, sparse_gpu_budget_gb=_gpu_budget(probe, 150)).engine
+    assert 150 <= eng.runner.tier.hot.P < 175
+    with pytest.raises(CapacityError, match="hot-buffer rows .* sparse_gpu_budget_gb"):
+        eng.add_request(_prompt(7000, 15), sp)
+
+
+def test_tier_waits_for_hot_rows(ckpt_with_basis):
+    """A pool with room for one sequence's partition at a time: the second waits in the queue and
+    both finish with their own tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [_prompt(150, 16), _prompt(130, 17)]
+    alone = [_llm(ckpt_with_basis, True).generate(prompt_token_ids=[p], sampling_params=sp)[0].token_ids
+             for p in prompts]
+    probe = _llm(ckpt_with_basis, True).engine.runner.tier
+    llm = _llm(ckpt_with_basis, True, sparse_gpu_budget_gb=_gpu_budget(probe, 100))
+    assert 64 <= llm.engine.runner.tier.hot.P < 128  # one partition of 64 rows at a time
+    eng = llm.engine
+    seqs = [eng.add_request(p, sp) for p in prompts]
+    eng.step()
+    assert seqs[0].tier_pid >= 0 and seqs[1].tier_pid < 0 and seqs[1] in eng.scheduler.waiting
+    while eng.has_unfinished:
+        eng.step()
+    assert [s.output_token_ids for s in seqs] == alone
+
+
+def test_tier_stats_add_up(ckpt_with_basis):
+    """hits + misses = picks looked up; PCIe reads = (misses + prefix rows read back) x row bytes;
+    PCIe writes = tokens forwarded x layers x row bytes; per-sequence host bytes = blocks x block bytes."""
+    prompts = [_prompt(300, 18), _prompt(90, 19)]
+    n_out = 10
+    sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    llm = _llm(ckpt_with_basis, True, fmt="int4")
+    eng, tier = llm.engine, llm.engine.runner.tier
+    picks = prefix_rows = 0
+    orig_gather, orig_prefix = tier.gather, tier.read_prefix
+
+    def gather(layer, pos, counts, block_tables, seq_lens, state_slots):
+        nonlocal picks
+        n = seq_lens.long()[:, None]
+        p = pos.long()
+        ok = torch.arange(p.shape[1])[None] < counts.long()[:, None]
+        picks += int((ok & (p >= 4) & (p < torch.clamp(n - 8, min=4))).sum())
+        return orig_gather(layer, pos, counts, block_tables, seq_lens, state_slots)
+
+    def read_prefix(layer, block_table, n, dtype):
+        nonlocal prefix_rows
+        prefix_rows += n
+        return orig_prefix(layer, block_table, n, dtype)
+    tier.gather, tier.read_prefix = gather, read_prefix
+    for p in prompts:
+        eng.add_request(p, sp)
+    seen = {}
+    while eng.has_unfinished:
+        eng.step()
+        for rid, st in llm.tier_stats(per_sequence=True).items():
+            seen[rid] = st
+    s = llm.tier_stats()
+    L, rb = tier.L, tier.store.row_bytes
+    assert s.hits + s.misses == picks > 0
+    assert s.pcie_read_bytes == (s.misses + prefix_rows) * rb
+    forwarded = sum(len(p) + n_out - 1 for p in prompts)
+    assert s.pcie_write_bytes == forwarded * L * rb
+    assert 0 < s.hit_rate < 1 and s.host_bytes == tier.store.total_bytes and s.gpu_bytes == tier.gpu_bytes
+    for st, p in zip(seen.values(), prompts):
+        blocks = -(-(len(p) + n_out - 1) // 16)
+        assert st.host_bytes == blocks * tier.store.bytes_per_block
+        assert st.gpu_bytes > 0
+    assert HostKVStore.bytes_per_token(L, tier.Hkv, tier.D, "int4") * 16 == tier.store.bytes_per_block
+
+
+def test_tier_config_errors(ckpt_with_basis):
+    from sketchkv.errors import RequestError
+    with pytest.raises(RequestError, match="needs sparse decode"):
+        LLM(ckpt_with_basis, device="cpu", sparse_host_tier=True)
+    with pytest.raises(RequestError, match="shared_selection"):
+        _llm(ckpt_with_basis, True, sparse_shared_selection=False)
+    with pytest.raises(CapacityError, match="holds no KV block"):
+        _llm(ckpt_with_basis, True, sparse_host_budget_gb=1e-9)
+    with pytest.raises(CapacityError, match="below the host tier's fixed part"):
+        _llm(ckpt_with_basis, True, sparse_gpu_budget_gb=1e-9)
+
+
+# ---- kernels of one tiered step under the interpreter ----------------------------------------------
+
+@needs_interp
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_interp_tier_step_matches_reference(fmt):
+    """HostTier.gather (zero-copy gather kernel for misses) + the paged decode kernel over the compact
+    scratch equals exact attention over the same rows dequantised by the reference."""
+    from sketchkv.kv.host_tier import ATTN_BLOCK, HostTier
+    from sketchkv.ops.sparse_attention import sparse_attention_ref
+    torch.manual_seed(0)
+    Hq, Hkv, D, bs, S, R = 4, 2, 32, 16, 4, 8
+    tier = HostTier(1, 12, bs, Hkv, D, fmt=fmt, sinks=S, recent=R, hot_fraction=0.1, num_state_slots=3,
+                    max_model_len=160, pool_rows=64, dtype=torch.float32, device=torch.device("cpu"))
+    lens = [70, 37]
+    tables = torch.tensor([[3, 5, 1, 7, 9], [2, 4, 6, -1, -1]], dtype=torch.int32)
+    k = torch.randn(2, 80, Hkv, D)
+    v = torch.randn(2, 80, Hkv, D)
+    for b, n in enumerate(lens):
+        pos = list(range(n))
+        slots = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in pos])
+        rows = torch.tensor([tier.resident_row(b, p, n) for p in pos])
+        tier.write(0, slots, rows, k[b, :n], v[b, :n])
+    pids = [tier.hot.add_sequence(rows=16) for _ in lens]
+    # selections: sinks + a few picks + tail, ascending, SENTINEL-padded; counts per sequence
+    sel = [sorted(set(range(S)) | {9, 20, 33, 41, 50} | set(range(62, 70))), sorted(set(range(S)) | {5, 17, 25} | set(range(29, 37)))]
+    N = max(len(x) for x in sel) + 3
+    idx = torch.full((2, N), 2**31 - 1, dtype=torch.int32)
+    for b, x in enumerate(sel):
+        idx[b, :len(x)] = torch.tensor(x, dtype=torch.int32)
+    counts = torch.tensor([len(x) for x in sel], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(2, Hq, D)
+    for step in range(2):  # second step: the picks are hot
+        kk, vv, miss = tier.gather(0, idx, counts, tables, seq_lens, torch.tensor([0, 1]))
+        B, Np = miss.shape
+        nb = Np // ATTN_BLOCK
+        t = (torch.arange(B, dtype=torch.int32)[:, None] * nb + torch.arange(nb, dtype=torch.int32)[None])
+        out = pa.paged_attention_decode(q, kk.view(B * nb, ATTN_BLOCK, Hkv, D), vv.view(B * nb, ATTN_BLOCK, Hkv, D),
+                                        t, counts, D ** -0.5)
+        placed = tier.hot.admit(0, pids, miss, kk, vv)
+        assert (miss >= 0).sum() == (5 + 3 if step == 0 else 0)
+        assert (placed >= 0).sum() == (miss >= 0).sum()
+        # reference: a dense cache whose picked rows went through the host format, sinks/tail exact
+        kc, vc = k.clone(), v.clone()
+        for b, x in enumerate(sel):
+            for p in x:
+                if S <= p < lens[b] - R:
+                    hk, hv = tier.store.read_rows_ref(0, torch.tensor([int(tables[b, p // bs]) * bs + p % bs]))
+                    kc[b, p], vc[b, p] = hk[0], hv[0]
+        ref = sparse_attention_ref(q, kc.view(2 * 5, bs, Hkv, D), vc.view(2 * 5, bs, Hkv, D),
+                                   torch.arange(10, dtype=torch.int32).view(2, 5), idx[:, None], counts, D ** -0.5)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_interpreter_child():
+    run_interpreter_tests(__file__, pa._INTERPRETED)
+
+
+# ---- GPU (H200) ---------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_tier_step_in_cuda_graph_matches_reference():
+    """27B head shape (4 KV heads x 256), bf16 rows in pinned memory: one tiered step (gather: resident
+    sinks / tail, hot hits, zero-copy misses -> paged kernel over the scratch -> admit) captured in a
+    CUDA graph and replayed with new picks equals the sparse kernel over a GPU cache of the same rows;
+    the counters advance inside the graph (hits grow as picks repeat)."""
+    from sketchkv.kv.host_tier import ATTN_BLOCK, HostTier
+    from sketchkv.ops.sparse_attention import sparse_attention
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    Hq, Hkv, D, bs, S, R, L = 24, 4, 256, 64, 64, 1024, 1
+    lens, nblk = [12000, 7000], 200
+    tier = HostTier(L, nblk, bs, Hkv, D, fmt="bf16", sinks=S, recent=R, hot_fraction=0.025, num_state_slots=3,
+                    max_model_len=16384, pool_rows=4096, dtype=torch.bfloat16, device=dev)
+    assert tier.store.buf.is_pinned()
+    width = 190
+    perm = torch.randperm(nblk - 1) + 1
+    tables = torch.stack([perm[:width], perm[:width].flip(0)]).int().to(dev)  # (shared blocks are fine)
+    tables[1, 110:] = -1
+    kc = torch.zeros(nblk, bs, Hkv, D, dtype=torch.bfloat16, device=dev)
+    vc = torch.zeros_like(kc)
+    for b, n in enumerate(lens[:1]):  # sequence 1 reads sequence 0's rows through its own table order
+        pos = torch.arange(n, device=dev)
+        slots = tables[b, pos // bs].long() * bs + pos % bs
+        k = torch.randn(n, Hkv, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        kc.view(-1, Hkv, D)[slots], vc.view(-1, Hkv, D)[slots] = k, v
+    for b, n in enumerate(lens):  # resident rows of each sequence, from the cache
+        pos = torch.arange(n, device=dev)
+        slots = tables[b, pos // bs].long() * bs + pos % bs
+        rows = torch.tensor([tier.resident_row(b, p, n) for p in range(n)], device=dev)
+        tier.write(0, slots, rows, kc.view(-1, Hkv, D)[slots], vc.view(-1, Hkv, D)[slots])
+    pids = torch.tensor([tier.hot.add_sequence(rows=300), tier.hot.add_sequence(rows=175)], device=dev)
+    K = 2048
+    N = S + K + R
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    states = torch.tensor([0, 1], device=dev)
+    g = torch.Generator().manual_seed(1)
+
+    def picks():
+        idx = torch.full((2, N), 2**31 - 1, dtype=torch.int32)
+        for b, n in enumerate(lens):  # a small pool of candidates: later steps hit
+            cand = torch.randperm(n - R - S, generator=g)[:K] % 3000 + S
+            x = torch.cat([torch.arange(S), torch.unique(cand), torch.arange(n - R, n)])
+            idx[b, :len(x)] = x.int()
+        return idx.to(dev), (idx < 2**31 - 1).sum(-1).int().to(dev)
+    q = torch.randn(2, Hq, D, device=dev, dtype=torch.bfloat16)
+    s_idx, s_counts = picks()
+
+    def step():
+        k, v, miss = tier.gather(0, s_idx, s_counts, tables, seq_lens, states)
+        B, Np = miss.shape
+        nb = Np // ATTN_BLOCK
+        t = (torch.arange(B, device=dev, dtype=torch.int32)[:, None] * nb
+             + torch.arange(nb, device=dev, dtype=torch.int32)[None])
+        out = pa.paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, Hkv, D), v.view(B * nb, ATTN_BLOCK, Hkv, D),
+                                        t, s_counts, D ** -0.5)
+        tier.hot.admit(0, pids, miss, k, v, max_cap=tier.max_part_rows)
+        return out
+    step()  # warm-up: compiles, admits
+    torch.cuda.synchronize()
+    tier.store.wait()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = step()
+    before = tier.stats()
+    for _ in range(4):
+        idx, counts = picks()
+        s_idx.copy_(idx)
+        s_counts.copy_(counts)
+        tier.store.wait()
+        graph.replay()
+        ref = sparse_attention(q, kc, vc, tables, s_idx[:, None], s_counts, D ** -0.5)
+        torch.testing.assert_close(g_out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    after = tier.stats()
+    assert after.hits > before.hits and after.misses > before.misses
+    assert after.pcie_read_bytes - before.pcie_read_bytes == (after.misses - before.misses) * tier.store.row_bytes
+
+
+@pytest.fixture(scope="module")
+def gpu_ckpt(tmp_path_factory):
+    """A tiny qwen3 (no GDN layers: no fla autotuning on the GPU) with a key basis fitted in bf16 on the GPU."""
+    import os
+    from conftest import make_checkpoint
+    from sketchkv.kv.fit_basis import fit_basis
+    path = str(tmp_path_factory.mktemp("gpu_tier") / "qwen3")
+    make_checkpoint(path, "qwen3", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                    num_hidden_layers=3, max_position_embeddings=8192)
+    calib = os.path.join(path, "calib.txt")
+    g = torch.Generator().manual_seed(5)
+    with open(calib, "w") as f:
+        f.write("".join(chr(c) for c in torch.randint(32, 127, (20000,), generator=g).tolist()))
+    fit = LLM(path, device="cuda", enforce_eager=True, max_num_seqs=2, max_model_len=8192, gpu_memory_utilization=0.3)
+    fit_basis(fit, [calib], rank=16, max_tokens=8000, seq_len=2048, out=os.path.join(path, "key_basis.safetensors"))
+    return path
+
+
+GPU_OPTS = dict(device="cuda", max_num_seqs=4, max_model_len=8192, max_num_batched_tokens=2048, sparse=True,
+                sparse_top_k=256, sparse_sink_tokens=64, sparse_recent_tokens=128, sparse_dense_threshold=0,
+                gpu_memory_utilization=0.3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_tier_engine_matches_tier_off(gpu_ckpt):
+    """CUDA graphs, teacher-forced: the tier with bf16 rows (pinned, zero-copy misses) gives tier-off's
+    distributions up to rounding; int4 rows stay close."""
+    import gc
+    path = gpu_ckpt
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6000, 3000, 900)]
+    conts = [torch.randint(3, 500, (64,), generator=g).tolist() for _ in prompts]
+    opts = GPU_OPTS
+    res = {}
+    llm = r = None
+    for fmt in (None, "bf16", "int4"):
+        llm = r = None  # one engine at a time: each sizes its caches from the free memory
+        gc.collect()
+        torch.cuda.empty_cache()
+        tier = dict(sparse_host_tier=True, sparse_host_format=fmt) if fmt else {}
+        llm = LLM(path, **opts, **tier)
+        r = llm.engine.runner
+        assert r.graphs and (fmt is None or r.tier.store.buf.is_pinned())
+        got = llm.teacher_force(prompts, conts)
+        if fmt is None:
+            ref = got
+            continue
+        kl = torch.cat([(a.exp() * (a - b)).sum(-1) for a, b in zip(ref, got)]).mean().item()
+        agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(ref, got)]).mean().item()
+        s = llm.tier_stats()
+        res[fmt] = (kl, agree, s)
+        assert s.hits > 0 and s.misses > 0 and s.pcie_read_bytes >= s.misses * r.tier.store.row_bytes
+    assert res["bf16"][0] < 1e-3 and res["bf16"][1] >= 0.95, res
+    assert res["int4"][0] < 2e-2 and res["int4"][1] >= 0.8, res
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_tier_decode_step_no_host_sync(gpu_ckpt):
+    """One eager tiered decode forward (write, select, gather, attention, admit) with sync debug = error."""
+    llm = LLM(gpu_ckpt, **{**GPU_OPTS, "enforce_eager": True}, sparse_host_tier=True)
+    eng = llm.engine
+    g = torch.Generator().manual_seed(1)
+    eng.add_request(torch.randint(3, 500, (5000,), generator=g).tolist(),
+                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while not eng.scheduler.running:
+        eng.step()
+    eng.step()
+    from sketchkv.engine.context import set_context
+    batch = eng.scheduler.schedule()
+    r = eng.runner
+    r._zero_fresh_slots(batch)
+    ids, pos, ctx = r._context(batch)  # host -> device copies happen here, before the forward
+    torch.cuda.synchronize()
+    set_context(ctx)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            r.model(ids, pos)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        set_context(None)
+    torch.cuda.synchronize()
+
+
+def test_tier_metrics_and_flags(ckpt_with_basis):
+    """The server's Prometheus metrics carry the tier's counters; the knobs map onto flat CLI flags."""
+    import argparse
+    import re
+    from sketchkv.config import add_dataclass_args, build_config
+    from sketchkv.server.metrics import ServerMetrics
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p)
+    args = p.parse_args(["--sparse", "--sparse-host-tier", "--sparse-host-format", "int8",
+                         "--sparse-hot-fraction", "0.05", "--sparse-host-budget-gb", "2", "--sparse-gpu-budget-gb", "none"])
+    cfg = build_config(args).sparse
+    assert (cfg.host_tier, cfg.host_format, cfg.hot_fraction, cfg.host_budget_gb, cfg.gpu_budget_gb) == \
+        (True, "int8", 0.05, 2.0, None)
+    llm = _llm(ckpt_with_basis, True)
+    eng, m = llm.engine, ServerMetrics()
+    eng.add_request(_prompt(200, 20), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while eng.has_unfinished:
+        eng.step()
+        m.update_from_engine(eng)
+    text = m.render().decode()
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+    s = llm.tier_stats()
+    assert value("sketchkv_tier_hits_total") == s.hits and value("sketchkv_tier_misses_total") == s.misses > 0
+    assert value("sketchkv_tier_pcie_read_bytes_total") == s.pcie_read_bytes
+    assert value("sketchkv_tier_pcie_write_bytes_total") == s.pcie_write_bytes
+    assert value("sketchkv_tier_gpu_bytes") == s.gpu_bytes and value("sketchkv_tier_host_bytes") == s.host_bytes
+    assert value("sketchkv_tier_host_bytes_used") == 0  # finished: nothing held
