@@ -139,8 +139,8 @@ class HotBuffer:
             lidx = torch.arange(self.L, device=self.device)[:, None]
             cur = self.map[lidx, torch.where(old >= 0, old, self.dump_key)]
             self.map[lidx, torch.where((old >= 0) & (cur == rows), old, self.dump_key)] = -1
-            self.key[:, rows] = -1
-            self.ref[:, rows] = 0
+            self.key.index_fill_(1, rows, -1)
+            self.ref.index_fill_(1, rows, 0)
         self.hand[:, pid] = 0
         self.used[:, pid] = 0
         self.part_cap[pid] = 0
@@ -161,9 +161,9 @@ class HotBuffer:
         keys = keys.to(self.device).long().flatten()
         keys = torch.where(keys >= 0, keys, self.dump_key)
         if layer is None:
-            self.map[:, keys] = -1
+            self.map.index_fill_(1, keys, -1)
         else:
-            self.map[layer, keys] = -1
+            self.map[layer].index_fill_(0, keys, -1)
         self.map[:, self.dump_key] = -1
 
     # ---- one decode step ---------------------------------------------------------------------------
@@ -175,7 +175,9 @@ class HotBuffer:
         rows = self.map[layer, torch.where(valid, keys, self.dump_key)].long()
         rows = torch.where(valid, rows, -1)
         hit = rows >= 0
-        self.ref[layer, torch.where(hit, rows, self.dump_row)] = 1
+        # index_fill_, not `ref[layer, idx] = 1`: a Python scalar assigned through an index tensor is
+        # copied host->device first, a synchronising copy (caught by cuda sync debug mode on the H200)
+        self.ref[layer].index_fill_(0, torch.where(hit, rows, self.dump_row).flatten(), 1)
         self.counters.add("hits", hit.sum())
         self.counters.add("misses", (valid & ~hit).sum())
         return rows
@@ -241,7 +243,7 @@ class HotBuffer:
         last_j = torch.where(n_placed > 0, jt.gather(1, (n_placed - 1).clamp_min(0)[:, None])[:, 0], -1)
         upto = torch.where(dropped, used - 1, last_j)
         clear = refj & (j[None] <= upto[:, None])
-        self.ref[layer, torch.where(clear, row_j, self.dump_row)] = 0
+        self.ref[layer].index_fill_(0, torch.where(clear, row_j, self.dump_row).flatten(), 0)
         capc = cap.clamp_min(1)
         new_hand = torch.where(dropped, (hand + used) % capc,
                                torch.where(n_placed > 0, (hand + last_j + 1) % capc, hand))
@@ -252,11 +254,11 @@ class HotBuffer:
         old = self.key[layer, r]
         okey = torch.where(old >= 0, old, self.dump_key)
         cur = self.map[layer, okey].long()
-        self.map[layer, torch.where((old >= 0) & (cur == r), okey, self.dump_key)] = -1
+        self.map[layer].index_fill_(0, torch.where((old >= 0) & (cur == r), okey, self.dump_key).flatten(), -1)
         self.map[layer, torch.where(placed.flatten(), keys.flatten(), self.dump_key)] = r.to(torch.int32)
         self.map[layer, self.dump_key] = -1
         self.key[layer, r] = torch.where(placed.flatten(), keys.flatten(), -1)
-        self.ref[layer, r] = 0
+        self.ref[layer].index_fill_(0, r.flatten(), 0)
         self.k[layer, r] = src_k.reshape(B * N, self.Hkv, self.D).to(dev, self.dtype)
         self.v[layer, r] = src_v.reshape(B * N, self.Hkv, self.D).to(dev, self.dtype)
         return rows
