@@ -7,7 +7,7 @@
 # Everything lands in $OUT (logs + JSON), to be copied into benchmarks/results/ afterwards.
 set -u
 BUDGET=${1:-540}; shift || true
-TESTS=${*:-tests/test_gpu_parity.py tests/test_ops_attention.py tests/test_ops_gdn.py tests/test_ops_norm_and_gates.py}
+TESTS=${*:-tests/}  # every test marked gpu
 STAGES=${STAGES:-tests sparse engine}
 ENGINE_ARGS=${ENGINE_ARGS:---preset qwen3.5-27b --contexts 8192 131072 --batches 1 8 --prefill-contexts 8192 131072 --steps 24 --sparse --hf}
 START=$(date +%s)
