@@ -146,7 +146,9 @@ def bench_sketchkv(args, bw: float) -> list[dict]:
             for ctx in args.prefill_contexts:
                 ids = torch.randint(0, llm.engine.model_config.vocab_size, (ctx,)).tolist()
                 sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-                llm.generate(prompt_token_ids=[ids[:2048]], sampling_params=sp)  # warm
+                # warm every chunk shape (fla autotunes on first use) with other tokens: no prefix-cache hit
+                warm = torch.randint(0, llm.engine.model_config.vocab_size, (min(ctx, 2 * args.prefill_chunk),))
+                llm.generate(prompt_token_ids=[warm.tolist()], sampling_params=sp)
                 sync()
                 t0 = time.perf_counter()
                 llm.generate(prompt_token_ids=[ids], sampling_params=sp)
@@ -155,11 +157,52 @@ def bench_sketchkv(args, bw: float) -> list[dict]:
                 rows.append(dict(engine="sketchkv", phase="prefill", context=ctx, batch=1, seconds=dt,
                                  tok_s=ctx / dt, chunk=args.prefill_chunk))
                 print(f"sketchkv prefill ctx={ctx}: {dt:.2f} s, {ctx/dt:.0f} tok/s", flush=True)
+            if args.profile_prefill:
+                rows.append(profile_prefill(llm, args.profile_prefill))
         del llm
         gc.collect()
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+KERNEL_GROUPS = (("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+                 ("gated deltanet (fla)", ("chunk", "fused_recurrent", "gated_delta", "solve_tril", "l2norm",
+                                           "causal_conv", "wy_fast", "cumsum")),
+                 ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+                 ("copy / gather", ("copy", "gather", "index", "cat", "scatter")),
+                 ("norm / activation / rope", ("norm", "silu", "sigmoid", "softplus", "exp", "rotary", "mul", "add")))
+
+
+def profile_prefill(llm: LLM, ctx: int) -> dict:
+    """CUDA time of one ctx-token prefill by kernel group (torch.profiler): where prefill time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.randint(0, llm.engine.model_config.vocab_size, (ctx,)).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompt_token_ids=[ids], sampling_params=sp)  # warm: every chunk shape compiled/tuned
+    clear(llm)
+    sync()
+    t0 = time.perf_counter()
+    cuda = DEV == "cuda"  # on CPU: self time of the aten ops instead of kernels
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        llm.generate(prompt_token_ids=[ids], sampling_params=sp)
+        sync()
+    wall = time.perf_counter() - t0
+    kernels = [(e.key, e.device_time_total if cuda else e.self_cpu_time_total) for e in prof.key_averages()]
+    kernels = [(n, us) for n, us in kernels if us > 0]
+    groups: dict[str, float] = {}
+    for name, us in kernels:
+        low = name.lower()
+        g = next((g for g, keys in KERNEL_GROUPS if any(k in low for k in keys)), "other")
+        groups[g] = groups.get(g, 0.0) + us / 1e6
+    top = sorted(kernels, key=lambda x: -x[1])[:20]
+    print(f"prefill profile ctx={ctx}: wall {wall:.2f} s (profiled), GPU kernel time by group:", flush=True)
+    for g, sec in sorted(groups.items(), key=lambda x: -x[1]):
+        print(f"  {g:28s} {sec:7.2f} s", flush=True)
+    for name, us in top:
+        print(f"  {us / 1e6:7.3f} s  {name[:110]}", flush=True)
+    return dict(engine="sketchkv", phase="prefill_profile", context=ctx, batch=1, seconds=wall, tok_s=ctx / wall,
+                groups_s=groups, top_kernels=[dict(name=n, seconds=us / 1e6) for n, us in top])
 
 
 def bench_hf(args, bw: float) -> list[dict]:
@@ -173,6 +216,8 @@ def bench_hf(args, bw: float) -> list[dict]:
         model = transformers.Qwen3_5ForCausalLM(cfg).eval()
         torch.set_default_dtype(torch.float32)
     rows = []
+    with torch.inference_mode():  # warm: fla autotunes each new shape on first use (minutes), not ours to time
+        model(torch.randint(0, cfg.vocab_size, (1, 4096), device="cuda"), use_cache=False, logits_to_keep=1)
     for ctx in args.hf_contexts:
         for b in args.hf_batches:
             ids = torch.randint(0, cfg.vocab_size, (b, ctx), device="cuda")
@@ -221,6 +266,8 @@ def main():
     p.add_argument("--hf-contexts", type=int, nargs="*", default=[8192, 131072])
     p.add_argument("--hf-batches", type=int, nargs="*", default=[1])
     p.add_argument("--hf-steps", type=int, default=8)
+    p.add_argument("--profile-prefill", type=int, default=0, metavar="CTX",
+                   help="also profile one CTX-token prefill (torch.profiler) and print GPU time by kernel group")
     p.add_argument("--out", default="benchmarks/results/engine.json")
     args = p.parse_args()
     bw = hbm_copy_bandwidth()
