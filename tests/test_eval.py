@@ -232,8 +232,8 @@ ref_absent = not (os.path.isfile(os.path.join(REF, "config.json"))
 # Bound: sinks 16 + top-64 + recent 128 per step (5-10% of a 2K-4K context), teacher-forced over held-out code.
 GATE = "gate:sparse=true,top_k=64,sink_tokens=16,recent_tokens=128,dense_threshold=0"
 # Bounds from the first run on the shipped model (CPU, 2026-11-29): top-1 0.9375 (95% CI +-0.06 over 4 x 64
-# tokens), mean KL 0.094 nats (heavy tail: p50 0.003, max 5.5), lookups lost vs dense 1 of 4. They catch a broken
-# selection (random picks give top-1 ~0.5 here), not a few-percent drift: that is what `sketchkv eval` is for.
+# tokens), mean KL 0.094 nats (heavy tail: p50 0.003, max 5.5), lookups lost vs dense 1 of 4. Meant to catch a broken
+# selection, not a few-percent drift (that is what `sketchkv eval` measures).
 GATE_TOP1, GATE_KL, GATE_LOST = 0.85, 0.25, 2
 
 
