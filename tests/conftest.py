@@ -41,6 +41,20 @@ TINY = {
                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=48, max_position_embeddings=4096),
+    # QSA budget 32 tokens (8 blocks of 4): a 300-token context really prunes; PLE on two GDN layers,
+    # two hyper-connection streams, MoE with a shared expert.
+    "qwen4_exp_text": dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=48, hc_count=2, hc_lowrank=16,
+                           ple_layer_ids=[1, 3], ple_embed_dim=32, ngram_size=3, heads_per_ngram=2,
+                           ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=4,
+                           indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=32,
+                           indexer_compress_ratio=4, max_position_embeddings=4096,
+                           layer_types=["linear_attention", "indexed_attention", "linear_attention",
+                                        "indexed_attention"],
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.25}),
     "qwen3": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
     "llama": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -52,6 +66,7 @@ def hf_classes(model_type: str):
     import transformers as tf
     return {"qwen3_5_text": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
             "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+            "qwen4_exp_text": (tf.Qwen4ExpTextConfig, tf.Qwen4ExpForCausalLM),
             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
             "llama": (tf.LlamaConfig, tf.LlamaForCausalLM)}[model_type]
 
@@ -67,6 +82,8 @@ def make_checkpoint(path: str, model_type: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name or "dt_bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif "ple.conv1d" in name:  # transformers starts the PLE convolution at zero
+                p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     _tokenizer_files(path, kw["vocab_size"])
     return model

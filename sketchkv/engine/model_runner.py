@@ -11,6 +11,7 @@ from sketchkv.engine.sequence import Sequence
 from sketchkv.errors import CapacityError, RequestError
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.gated_deltanet import GatedDeltaNet
+from sketchkv.layers.indexed_attention import IndexedAttention
 from sketchkv.layers.mlp import SparseMoE
 from sketchkv.layers.sampler import SampleOutput, sample
 from sketchkv.kv.state_cache import StateCache
@@ -37,12 +38,23 @@ class ModelRunner:
         if sp.host_tier and cfg.num_speculative_tokens:
             raise RequestError("sparse_host_tier with num_speculative_tokens > 0 is not supported yet (several decode "
                                "rows of one sequence in a tiered step)")
+        qsa = any(isinstance(m, IndexedAttention) for m in model.modules())
+        if qsa and (sp.sparse or cfg.num_speculative_tokens):
+            raise RequestError("qwen4_exp layers select with their own QSA indexer: sketch sparse decode, the host "
+                               "tier and speculative decoding are not supported with them yet")
         if sp.sparse:
             self._install_sparse_attention()
         # MTP layers get caches only when speculative decoding is on.
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
         self.tier_layers = [m for m in self.attn_layers if isinstance(m, TieredAttention)]
+        self.qsa_layers = [m for m in self.attn_layers if isinstance(m, IndexedAttention)]
+        for m in self.qsa_layers:
+            if self.block_size % m.ratio:
+                raise RequestError(f"block_size {self.block_size} must be a multiple of indexer_compress_ratio "
+                                   f"{m.ratio} (QSA index blocks may not straddle KV blocks)")
+        # other per-sequence state (qwen4_exp PLE): allocate_state / reset_state / slot_state
+        self.state_layers = [m for m in model.modules() if hasattr(m, "allocate_state")]
         self.tier = None  # HostTier (sketchkv.kv.host_tier), bound with the caches
         self.gdn_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_spec = cfg.num_speculative_tokens
@@ -94,7 +106,27 @@ class ModelRunner:
         c = self.model_cfg
         layers = len(self.attn_layers) - len(self.tier_layers) + len(self.mtp_attn_layers)  # MTP KV: same blocks
         kv = 2 * layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return kv + self.sketch_bytes_per_block + 4 * len(self.tier_layers) * self.block_size
+        return kv + self.sketch_bytes_per_block + 4 * len(self.tier_layers) * self.block_size \
+            + len(self.qsa_layers) * self.qsa_index_bytes_per_token * self.block_size
+
+    @property
+    def qsa_index_bytes_per_token(self) -> int:
+        """GPU bytes per token of one QSA layer's block keys (D x dtype / compress ratio: 64 B at D = 128,
+        c = 4, bf16), on top of its K/V rows; the tail of raw index keys is per-sequence state."""
+        m = self.qsa_layers[0] if self.qsa_layers else None
+        return m.index_dim * self.dtype.itemsize // m.ratio if m else 0
+
+    def qsa_memory(self) -> dict:
+        """Measured from the allocated buffers: GPU bytes per cached token per QSA layer (block keys, and
+        with the main K/V), and the per-sequence tail state. {} without QSA layers."""
+        if not self.qsa_layers:
+            return {}
+        m, tokens = self.qsa_layers[0], self.num_blocks * self.block_size
+        index = (m.index_keys.numel() - m.index_keys.shape[-1]) * m.index_keys.element_size() / tokens  # minus dump row
+        kv = (m.k_cache.numel() + m.v_cache.numel()) * m.k_cache.element_size() / tokens
+        tail = m.index_tail[0].numel() * m.index_tail.element_size()
+        return {"index_bytes_per_token": index, "kv_bytes_per_token": kv, "tail_state_bytes_per_seq": tail,
+                "layers": len(self.qsa_layers)}
 
     @property
     def sketch_bytes_per_block(self) -> int:
@@ -106,9 +138,15 @@ class ModelRunner:
         for m in self.gdn_layers:
             conv, rec = m.state_shapes()
             total += math.prod(conv) * self.dtype.itemsize + math.prod(rec) * 4
+        total += sum(m.state_bytes(self.dtype) for m in self.state_layers)
+        total += sum(m.ratio * m.index_dim * self.dtype.itemsize for m in self.qsa_layers)
         return total
 
     def _allocate_states(self) -> None:
+        for m in self.state_layers:
+            m.allocate_state(self.num_state_slots, self.dtype, self.device)
+        for m in self.qsa_layers:
+            m.index_tail = torch.zeros(self.num_state_slots, m.ratio, m.index_dim, dtype=self.dtype, device=self.device)
         for m in self.gdn_layers:
             conv, rec = m.state_shapes()
             m.conv_state = torch.zeros(self.num_state_slots, *conv, dtype=self.dtype, device=self.device)
@@ -140,6 +178,10 @@ class ModelRunner:
                                  device=self.device, sketch_bytes_per_block=self.sketch_bytes_per_block)
             for m in self.tier_layers:
                 m.tier = self.tier
+        for m in self.qsa_layers:  # block keys, paged like the KV; one extra (dump) row
+            m.block_size = self.block_size
+            m.index_keys = torch.zeros(num_blocks * (self.block_size // m.ratio) + 1, m.index_dim, dtype=self.dtype,
+                                       device=self.device)
         for m in self.sparse_layers:
             m.sketch = torch.zeros(num_blocks, self.block_size, c.num_kv_heads, m.rank // 2, dtype=torch.uint8,
                                    device=self.device)
@@ -285,6 +327,8 @@ class ModelRunner:
             for m in self.gdn_layers:
                 m.conv_state.index_fill_(0, idx, 0)
                 m.ssm_state.index_fill_(0, idx, 0)
+            for m in self.state_layers:
+                m.reset_state(idx)
         for seq, _ in batch:
             if seq.restore_hash is not None:
                 self.state_cache.restore(seq.restore_hash, self.slot_states(seq.state_slot))
@@ -294,7 +338,8 @@ class ModelRunner:
 
     def slot_states(self, slot: int) -> list[torch.Tensor]:
         """Views of one slot's state in every GDN layer (conv, recurrent, conv, ...)."""
-        return [t for m in self.gdn_layers for t in (m.conv_state[slot], m.ssm_state[slot])]
+        return [t for m in self.gdn_layers for t in (m.conv_state[slot], m.ssm_state[slot])] \
+            + [t for m in self.state_layers for t in m.slot_state(slot)]
 
     # ---- forward -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -45,12 +45,17 @@ class Attention(nn.Module):
             start, end = end, end + n
             if ctx.decodes(b):  # decoded above
                 continue
-            if cached == 0:  # fresh prompt: its K/V are exactly this step's rows
-                kb, vb = k[start:end], v[start:end]
-            else:
-                kb, vb = self.context_kv(ctx.block_tables[b], cached, k[start:end], v[start:end])
-            out[start:end] = prefix_causal_attention(q[start:end], kb.to(q.dtype), vb.to(q.dtype), self.scale)
+            out[start:end] = self.prefill(q[start:end], k[start:end], v[start:end], ctx.block_tables[b], cached,
+                                          slice(start, end))
         return out
+
+    def prefill(self, q, k, v, block_table, cached: int, rows: slice) -> torch.Tensor:
+        """One prompt chunk (rows `rows` of the step) over its cached prefix and itself, causal."""
+        if cached == 0:  # fresh prompt: its K/V are exactly this step's rows
+            kb, vb = k, v
+        else:
+            kb, vb = self.context_kv(block_table, cached, k, v)
+        return prefix_causal_attention(q, kb.to(q.dtype), vb.to(q.dtype), self.scale)
 
     def context_kv(self, block_table, cached: int, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of a prompt chunk's whole context (cached prefix + the chunk's k, v): [cached + n, Hkv, D]."""

@@ -13,7 +13,7 @@ from sketchkv.ops.gdn_gates import gdn_gates
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int, eps: float):
+                 conv_kernel: int, eps: float, gate_act: str = "silu"):
         super().__init__()
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
@@ -28,7 +28,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = GatedRMSNorm(head_v_dim, eps=eps)
+        self.norm = GatedRMSNorm(head_v_dim, eps=eps, activation=gate_act)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         # Bound by the model runner: one row per sequence slot
         self.conv_state = self.ssm_state = torch.tensor([])

@@ -30,12 +30,16 @@ class ZeroCenteredRMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Gated DeltaNet output norm: RMSNorm(x) * w * silu(gate), per value head."""
+    """Gated DeltaNet output norm: RMSNorm(x) * w * act(gate), per value head (act: silu, or sigmoid
+    for qwen4_exp checkpoints with output_gate_type=sigmoid)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.activation = eps, activation
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, GATED, gate)
+        if self.activation == "silu":
+            return rms_norm(x, self.weight, self.eps, GATED, gate)
+        y = rms_norm(x, self.weight, self.eps, PLAIN)  # w * norm(x).to(dtype), as transformers rounds
+        return (y * torch.sigmoid(gate.float())).to(x.dtype)

@@ -37,6 +37,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One tensor x [T, H, Dx] (Dx >= rotary_dim): the first rotary_dim dims of each head rotated."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return _apply(x, emb.cos()[:, None, :], emb.sin()[:, None, :], self.rotary_dim)
+
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int) -> torch.Tensor:
     # Same op order and dtype as transformers: cos/sin cast to the activation dtype first.

@@ -17,9 +17,10 @@ from sketchkv.models.llama import LlamaForCausalLM
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.models.presets import preset_config, randomize
 from sketchkv.models.qwen3_5 import Qwen3_5ForCausalLM
+from sketchkv.models.qwen4_exp import Qwen4ExpForCausalLM
 from sketchkv.models.weights import expert_slices
 
-ARCHITECTURES = {"hybrid": Qwen3_5ForCausalLM, "dense": LlamaForCausalLM}
+ARCHITECTURES = {"hybrid": Qwen3_5ForCausalLM, "dense": LlamaForCausalLM, "qwen4_exp": Qwen4ExpForCausalLM}
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 
 

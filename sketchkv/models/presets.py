@@ -17,6 +17,31 @@ PRESETS = {
                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                          "partial_rotary_factor": 0.25}, rms_norm_eps=1e-6,
                         tie_word_embeddings=False, eos_token_id=248044),
+    # Reduced qwen4_exp (Qwen3.8-Flash-Next family) for one H200: the seed's attention side exactly
+    # (48 layers = 36 GDN + 12 QSA layers of 2 KV heads x 256, indexer 16 x 128, budget 2048, ratio 4),
+    # a smaller MoE (64 experts, top 8, 512 wide; the real model has 512 experts) and small n-gram tables
+    # (4 PLE layers, base 200K rows per head instead of 20M). ~14.7B params, 27.3 GiB in bf16.
+    "qwen4-exp-h200": dict(model_type="qwen4_exp_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=48,
+                           num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                           linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                           linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
+                           shared_expert_intermediate_size=512, hc_count=4, hc_lowrank=320,
+                           ple_layer_ids=[1, 5, 9, 13], ple_embed_dim=2048, ngram_size=3, heads_per_ngram=8,
+                           ngram_vocab_size_base=200_000, make_ngram_vocab_size_divisible_by=128,
+                           indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048,
+                           indexer_compress_ratio=4, max_position_embeddings=1048576,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                            "partial_rotary_factor": 0.25}, rms_norm_eps=1e-6,
+                           tie_word_embeddings=False, eos_token_id=248044),
+    # A small qwen4_exp for CPU smoke runs (QSA budget 64 tokens).
+    "tiny-qwen4-exp": dict(model_type="qwen4_exp_text", vocab_size=1024, hidden_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                           shared_expert_intermediate_size=64, hc_count=2, hc_lowrank=32, ple_layer_ids=[1],
+                           ple_embed_dim=64, heads_per_ngram=2, ngram_vocab_size_base=1000,
+                           indexer_n_heads=4, indexer_head_dim=32, indexer_budget=64, indexer_compress_ratio=4,
+                           max_position_embeddings=32768, eos_token_id=0),
     # A small hybrid for smoke tests on CPU.
     "tiny-hybrid": dict(model_type="qwen3_5_text", vocab_size=1024, hidden_size=128, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=256,

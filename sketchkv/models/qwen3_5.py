@@ -37,6 +37,10 @@ class GatedAttention(nn.Module):
     def fuse_projections(self) -> None:
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
+    def core_inputs(self, positions: torch.Tensor, x: torch.Tensor) -> dict:
+        """Extra inputs of the attention core (qwen4_exp: the QSA indexer's queries and keys)."""
+        return {}
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
@@ -48,7 +52,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.view(T, Hkv, D))
         v = v.reshape(T, Hkv, D)
         q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v).reshape(T, -1)
+        o = self.attn(q, k, v, **self.core_inputs(positions, x)).reshape(T, -1)
         return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
 
 

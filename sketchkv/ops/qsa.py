@@ -1,0 +1,76 @@
+"""QSA selection (the qwen4_exp indexer), as transformers' Qwen4ExpTextQSAIndexer trained it.
+
+With c = indexer_compress_ratio, index block g holds tokens g*c .. g*c + c - 1. A query at position p
+sees the complete blocks g < (p + 1) // c and the incomplete tail (p + 1) // c * c .. p. Each block
+key is the fp32 mean of its c raw index keys (rounded to the model dtype), RMSNormed, RoPE'd at
+the block's first position. score[g] = sum_h relu(q_h . K_g) / sqrt(D) in fp32; the query attends
+exactly over the top budget // c blocks plus the tail. A query whose complete blocks number at
+most budget // c therefore attends densely.
+
+Selections are token positions in the sparse-attention layout (ops/sparse_attention.py): ascending,
+padded with SENTINEL, with a count per row. PyTorch only: scoring is a batched matmul and top-k a
+library call (the GPU milestone fuses scoring + top-k if the profile asks for it).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+SENTINEL = torch.iinfo(torch.int32).max
+
+
+def pool_raw_keys(raw: torch.Tensor) -> torch.Tensor:
+    """[G, c, D] raw index keys -> [G, D] block means (fp32 mean, rounded to the keys' dtype)."""
+    return raw.float().mean(dim=1).to(raw.dtype)
+
+
+def block_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [N, H, D] index queries; keys [N, G, D] (per query) or [G, D] (shared) -> [N, G] fp32."""
+    eq = "nhd,ngd->nhg" if keys.dim() == 3 else "nhd,gd->nhg"
+    s = torch.einsum(eq, q.float(), keys.float())
+    return torch.relu(s).sum(dim=1) / math.sqrt(q.shape[-1])
+
+
+def select_positions(scores: torch.Tensor, visible: torch.Tensor, block_topk: int, c: int):
+    """scores [N, G] over blocks 0..G-1; visible [N] tokens each query sees (its position + 1).
+
+    -> (positions [N, k*c + c - 1] int32 ascending, SENTINEL-padded; counts [N] int32): the tokens of
+    the top min(block_topk, complete blocks) complete blocks and of the incomplete tail."""
+    N, G = scores.shape
+    dev = scores.device
+    visible = visible.long()
+    nvis = visible // c
+    ar_c = torch.arange(c, device=dev)
+    k = min(block_topk, G)
+    parts = []
+    if k > 0:
+        g = torch.arange(G, device=dev)
+        masked = scores.masked_fill(g[None, :] >= nvis[:, None], float("-inf"))
+        top = masked.topk(k, dim=1).indices                                   # [N, k]
+        tok = (top[:, :, None] * c + ar_c).flatten(1)                          # [N, k*c]
+        valid = (top < nvis[:, None]).repeat_interleave(c, dim=1)
+        parts.append(torch.where(valid, tok, SENTINEL))
+    tail = nvis[:, None] * c + ar_c[None, : c - 1]
+    parts.append(torch.where(tail < visible[:, None], tail, SENTINEL))
+    idx = torch.sort(torch.cat(parts, dim=1), dim=1).values
+    counts = (idx < SENTINEL).sum(dim=1).to(torch.int32)
+    return idx.to(torch.int32), counts
+
+
+def positions_to_mask(idx: torch.Tensor, length: int) -> torch.Tensor:
+    """[N, n] positions (SENTINEL-padded) -> [N, length] bool."""
+    mask = torch.zeros(idx.shape[0], length + 1, dtype=torch.bool, device=idx.device)
+    mask.scatter_(1, idx.long().clamp_max(length), True)
+    return mask[:, :length]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """q [n, Hq, D] over k / v [L, Hkv, D] with mask [n, L] (True = attend) -> [n, Hq, D]. SDPA with
+    a boolean mask (CPU / GPU); the selected rows are exact, every other row is excluded."""
+    G = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(G, dim=1) if G > 1 else k
+    vv = v.repeat_interleave(G, dim=1) if G > 1 else v
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk.transpose(0, 1)[None].to(q.dtype),
+                                       vv.transpose(0, 1)[None].to(q.dtype), attn_mask=mask[None, None],
+                                       scale=scale)
+    return o[0].transpose(0, 1)
