@@ -3,7 +3,8 @@
 # Usage (on the H200, from the repo root, with .whl carried):
 #   bash benchmarks/h200_session.sh SECONDS [TEST_FILES...]
 #   ENGINE_ARGS="..." overrides the engine benchmark's arguments; STAGES="tests sparse host mtp engine" picks
-#   stages (mtp: MTP accepted length, benchmarks/bench_mtp.py with MTP_ARGS).
+#   stages (mtp: MTP accepted length, benchmarks/bench_mtp.py with MTP_ARGS; agents: `sketchkv bench agents`,
+#   issue 8, the runs named in AGENTS_RUNS, see the stage below).
 # Everything lands in $OUT (logs + JSON), to be copied into benchmarks/results/ afterwards.
 set -u
 BUDGET=${1:-540}; shift || true
@@ -32,5 +33,35 @@ case " $STAGES " in *" mtp "*)
 esac
 case " $STAGES " in *" engine "*)
   timeout $(( $(left) - 10 )) python3 benchmarks/bench_engine.py $ENGINE_ARGS --out "$OUT/engine-27b.json" 2>&1 | tee "$OUT/engine-27b.log" | tail -20;;
+esac
+case " $STAGES " in *" agents "*)
+  # Issue 8 on one H200, one device call (<= 10 min) per run; expected wall time (incl. ~1-2 min of engine
+  # build + CUDA-graph capture + fla autotuning on a fresh machine) after each. Contexts: 250K = 256000 tokens.
+  # --fill random writes random caches for all but the last 1024 tokens of each agent (decode speed depends on
+  # the bytes a step reads, not their values; 8 x 250K real prefills would take ~10 min): cold prefill is
+  # measured for real in `prefill` (1 x 250K) and in `reference`.
+  #   STAGES=agents AGENTS_RUNS=sparse bash benchmarks/h200_session.sh 590
+  # Afterwards, on the workstation: sketchkv bench agents --from-json agents-*.json --name agents-<date>
+  AGENTS_RUNS=${AGENTS_RUNS:-sparse}
+  M27="--model random:qwen3.5-27b"
+  for run in $AGENTS_RUNS; do
+    case $run in
+      # 8 x 250K goal, tok/s vs agents and vs context, step breakdown: 9 points, ~5-6 min
+      sparse) A="$M27 --configs sparse --agents 1 4 8 --contexts 32K 128K 250K --fill random --breakdown";;
+      # dense on the same grid where it fits (the arithmetic skips 4+ x 250K and 8 x 128K): ~3-4 min
+      dense) A="$M27 --configs dense --agents 1 4 8 --contexts 32K 128K 250K --fill random --breakdown";;
+      # cold prefill of one 250K-token document (goal >= 8K tok/s; ~4K tok/s = 64 s today) + follow-up TTFT: ~3-4 min
+      prefill) A="$M27 --configs sparse --agents 1 --contexts 250K --fill real --max-num-batched-tokens 16384";;
+      # 1 x 128K: sparse vs sketchkv dense vs transformers (its prefill is real: ~35 s; decode 258 x ~145 ms): ~6 min
+      vs128k) A="$M27 --configs sparse dense hf --agents 1 --contexts 128K --fill random";;
+      # the largest N x 250K the host budget holds (80 GiB of the 128 GiB machine pinned: ~18-19 agents): ~4-5 min
+      max) A="$M27 --configs sparse --agents max --contexts 250K --fill random --sparse-host-budget-gb 80";;
+      # the bundled reference model on real text (realistic picks and hit rates), real prefill: ~3-4 min
+      reference) A="--configs sparse dense --agents 1 8 --contexts 32K 128K 250K --fill real --breakdown";;
+      *) echo "unknown agents run $run"; continue;;
+    esac
+    timeout $(( $(left) - 10 )) python3 -m sketchkv bench agents $A --out-dir "$OUT" --name "agents-$run" 2>&1 \
+      | tee "$OUT/agents-$run.log" | tail -25
+  done;;
 esac
 echo "session done after $(( $(date +%s) - START )) s"

@@ -77,6 +77,11 @@ def _eval(args) -> None:
     module(args.eval_command).main(args)
 
 
+def _bench(args) -> None:
+    from sketchkv.bench import module
+    module(args.bench_command).main(args)
+
+
 def _random_model(args) -> None:
     from sketchkv.models.presets import save_random_checkpoint
     save_random_checkpoint(args.preset, args.out, args.seed)
@@ -146,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
                              formatter_class=argparse.RawDescriptionHelpFormatter)
         module(name).add_args(ep)
         ep.set_defaults(func=_eval)
+    b = sub.add_parser("bench", help="speed benchmarks against the bytes-moved floor (JSON + Markdown + PNG)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from sketchkv.bench import COMMANDS as BENCH, module as bench_module
+    bhelps = {"agents": "N agents x L tokens decoding concurrently, then a follow-up turn: sparse + host tier vs "
+                        "dense vs transformers"}
+    for name in BENCH:
+        bp = bsub.add_parser(name, help=bhelps[name], description=bench_module(name).__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        bench_module(name).add_args(bp)
+        bp.set_defaults(func=_bench)
     return p
 
 

@@ -1,0 +1,810 @@
+"""`sketchkv bench agents`: N agents x L tokens of context decoding side by side, against the bytes-moved floor.
+
+For each context L and number of agents N, and each configuration
+
+    sparse   sketchkv sparse decode over the host tier (K/V in pinned host RAM, the GPU keeps the sketch,
+             sinks + recent rows and a hot buffer)
+    dense    sketchkv dense decode (paged bf16 KV on the GPU), where it fits: decided by memory arithmetic
+             before anything is allocated (the capacity table says where dense stops)
+    hf       Hugging Face transformers (the same config; fla on a GPU), where it fits (optional)
+
+one point runs: a cold prefill of the N prompts, all N agents decoding concurrently (--decode-tokens
+timed steps with every agent in the batch, CUDA graphs), an optional per-layer-group breakdown of a few
+eager steps (--breakdown), then a follow-up turn per agent (its conversation so far + --followup-tokens
+new tokens, re-sent whole: the prefix cache serves it): first agent 0 alone, then the others together.
+
+Reported per point: combined and per-agent decode tok/s; bytes one step must move (weights, GDN state
+read + write, sketch, selected K/V rows; PCIe misses measured) and the fraction of the floor (those bytes
+at the HBM bandwidth measured in the same run by a large device copy, plus the misses at the pinned
+host-to-device bandwidth, see sketchkv/bench/floor.py); GPU and host bytes per agent (the engine's
+accounting, next to the arithmetic); hot-buffer hit rate and PCIe bytes per step; cold prefill tok/s;
+follow-up TTFT. Output: NAME.json, NAME.md, NAME.png (tok/s vs agents and vs context, floor dashed).
+Every row carries the command that reproduces it.
+
+Contexts: --fill real prefills every prompt through the engine (this is the cold prefill that is timed).
+--fill random writes random K/V (through the tier's own quantising write), matching sketches and random GDN
+state for the first L - --tail tokens of each agent directly into the caches, then prefills the last --tail
+tokens for real: decode speed depends on the bytes a step reads, not on their values, and 8 x 250K real
+prefills would not fit a 10-minute run. A random-weight model picks almost at random either way; the
+bundled reference model (real text, --fill real) gives realistic selection and hot-buffer hit rates.
+
+    sketchkv bench agents --model random:qwen3.5-27b --agents 8 --contexts 250K --configs sparse dense \\
+        --fill random --breakdown --out-dir benchmarks/results
+    sketchkv bench agents --agents 1 2 --contexts 1K 2K --decode-tokens 16 --device cpu   # CPU, reference model
+    sketchkv bench agents --from-json a.json b.json --name agents-2026-12-01   # merge runs into one report
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import shlex
+import statistics
+import sys
+import time
+
+from sketchkv.eval import common as C
+
+CONFIGS = ("sparse", "dense", "hf")
+LABELS = {"sparse": "sketchkv sparse + host tier", "dense": "sketchkv dense", "hf": "transformers dense"}
+SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_host_format",
+                "sparse_hot_fraction", "sparse_host_budget_gb", "sparse_gpu_budget_gb", "sparse_basis")
+LONG = 240_000  # "250K-class" contexts for the goal checks
+
+
+def parse_tokens(s: str) -> int:
+    """'250K' -> 256000 (K = 1024), '4096' -> 4096."""
+    t = s.strip().upper()
+    try:
+        return int(float(t[:-1]) * 1024) if t.endswith("K") else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {s!r} (e.g. 4096, 32K)") from None
+
+
+def parse_agents(s: str):
+    if s.strip().lower() == "max":
+        return "max"
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of agents: {s!r} (an integer, or 'max')") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("agents must be >= 1")
+    return n
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from sketchkv.config import add_dataclass_args, default_model, flat_fields
+    p.add_argument("--model", default=default_model(),
+                   help="model directory, or random:PRESET (random:qwen3.5-27b: the 27B shape, random weights)")
+    p.add_argument("--agents", type=parse_agents, nargs="+", default=[1, 2],
+                   help="numbers of agents; 'max' = the most the sparse tier's memory budgets hold at that context")
+    p.add_argument("--contexts", type=parse_tokens, nargs="+", default=[1024, 2048],
+                   help="tokens of context per agent (K = 1024: 250K = 256000)")
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=["sparse", "dense"],
+                   help="sparse (+ host tier), dense, hf (transformers; needs fla on a GPU)")
+    p.add_argument("--decode-tokens", type=int, default=256, help="timed decode steps with every agent in the batch")
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--followup-tokens", type=int, default=1024, help="new tokens of the follow-up turn")
+    p.add_argument("--followup-decode", type=int, default=8, help="tokens generated in the follow-up turn")
+    p.add_argument("--fill", choices=("real", "random"), default="real",
+                   help="real: prefill every prompt (timed cold prefill); random: write random caches for all but "
+                        "the last --tail tokens, prefill those")
+    p.add_argument("--tail", type=int, default=1024, help="--fill random: tokens per agent prefilled for real")
+    p.add_argument("--breakdown", action="store_true", help="time the layer groups over a few eager steps")
+    p.add_argument("--breakdown-steps", type=int, default=4)
+    p.add_argument("--text", nargs="*", default=None,
+                   help="prompt text files/dirs (default: the model's held-out files, else its calibration/ "
+                        "directory; random token ids for random:* models)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hbm-gib", type=float, default=None, help="size of the bandwidth copy (default 4 GiB on a "
+                                                              "GPU, 0.25 on a CPU)")
+    p.add_argument("--hf-prefill-chunk", type=int, default=0, help="transformers: prefill in chunks (0: one forward)")
+    p.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--name", default=None, help="output file stem (default: agents-<date>)")
+    p.add_argument("--from-json", nargs="+", metavar="JSON", help="run nothing: merge saved result files into "
+                                                                   "--out-dir/--name (.json, .md, .png)")
+    p.add_argument("--quiet", action="store_true")
+    keep = set(C.BASE_OPTIONS) | set(SPARSE_KNOBS)
+    g = p.add_argument_group("engine options (every sketchkv configuration)")
+    add_dataclass_args(g, skip=tuple(n for n, _, _ in flat_fields() if n not in keep))
+
+
+def main(args: argparse.Namespace) -> dict:
+    name = args.name or f"agents-{datetime.date.today().isoformat()}"
+    if args.from_json:
+        return merge(args.from_json, args.out_dir, name)
+    return run(args, name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Commands that reproduce one point
+# ----------------------------------------------------------------------------------------------------------
+POINT_FLAGS = ("--agents", "--contexts", "--configs", "--out-dir", "--name", "--from-json")
+
+
+def argv_without(argv: list[str], flags=POINT_FLAGS) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if a.startswith("--"):
+            skip = a.split("=")[0] in flags
+            if skip:
+                continue
+        elif skip:
+            continue
+        out.append(a)
+    return out
+
+
+def point_command(argv: list[str], config: str, agents: int, context: int) -> str:
+    rest = argv_without(argv)
+    return "sketchkv bench agents " + " ".join(shlex.quote(a) for a in rest + [
+        "--configs", config, "--agents", str(agents), "--contexts", str(context)])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prompts
+# ----------------------------------------------------------------------------------------------------------
+def token_stream(model: str, paths: list[str] | None, need: int) -> tuple[list[int] | None, str]:
+    """Token ids of real text for a model with a tokenizer (None: use random ids), and where they came from:
+    about 2 x `need` tokens (agents take rotated windows of it)."""
+    if model.startswith("random:"):
+        return None, "random token ids"
+    from sketchkv.models.tokenizer import Tokenizer
+    docs, source = None, None
+    try:
+        docs, src = C.load_documents(paths or [], model)
+        source = (f"held-out files of {src['heldout_json']}" if src.get("heldout_json")
+                  else ", ".join(src.get("paths", [])))
+    except Exception:
+        calib = os.path.join(model, "calibration")
+        if not paths and os.path.isdir(calib):
+            docs = [C.Doc(f, f, t) for f in sorted(os.listdir(calib))
+                    if (t := C._read(os.path.join(calib, f))) is not None]
+            source = calib
+    if not docs:
+        return None, "random token ids"
+    tok = Tokenizer(model)
+    text, ids, budget = "", [], min(32 * 2**20, max(2**18, 8 * need))
+    for d in docs:
+        text += C.FILE_HEADER.format(rel=d.rel) + d.text
+        if len(text) > budget:
+            break
+    ids = tok.encode(text)
+    return ids, f"{source} ({len(ids)} tokens, repeated and rotated per agent)"
+
+
+def make_ids(stream: list[int] | None, n: int, offset: int, vocab: int, seed: int) -> list[int]:
+    if stream is None:
+        import torch
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(3, max(4, min(vocab, 32000)), (n,), generator=g).tolist()
+    offset %= len(stream)
+    reps = -(-(offset + n) // len(stream))
+    return (stream * reps)[offset:offset + n]
+
+
+_POINTS = [0]
+
+
+def agent_prompts(stream, n: int, L: int, args, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each point's own prompts (never a prefix-cache hit on an earlier point: the prefill is cold) and
+    follow-up messages, one per agent."""
+    _POINTS[0] += 1
+    k = _POINTS[0] * 1009 + args.seed * 100003
+    prompts = [make_ids(stream, L, 104729 * (i + 1) + 7919 * k, vocab, k * 1000 + i) for i in range(n)]
+    msgs = [make_ids(stream, args.followup_tokens, 15485863 * (i + 1) + 31 * k, vocab, k * 1000 + 500 + i)
+            for i in range(n)]
+    return prompts, msgs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Random contexts (--fill random)
+# ----------------------------------------------------------------------------------------------------------
+def fill_random(eng, seq, filled: int, gen) -> None:
+    """Give a waiting sequence a state slot, a hot partition and `filled` tokens of random cache, as if
+    its first `filled` tokens had been prefilled; the scheduler then prefills the rest."""
+    import torch
+    from sketchkv.errors import CapacityError
+    from sketchkv.layers.sparse_attention import SparseAttention
+    r, sch = eng.runner, eng.scheduler
+    if not sch.free_slots:
+        raise CapacityError("no free state slot for a filled agent (raise max_num_seqs)")
+    if r.tier is not None and not r.tier.can_add(seq):
+        raise CapacityError(f"no hot-buffer rows for agent {seq.request_id}")
+    if not eng.blocks.can_grow(seq, filled):
+        raise CapacityError(f"{filled} tokens do not fit the KV blocks left ({eng.blocks.num_free} free)")
+    seq.state_slot = sch.free_slots.popleft()
+    if r.tier is not None:
+        r.tier.add(seq)
+    eng.blocks.grow(seq, filled)
+    dev, bs = r.device, r.block_size
+    c = eng.model_config
+    table = torch.tensor(seq.block_table, dtype=torch.int64, device=dev)
+    chunk = 16384
+    for start in range(0, filled, chunk):
+        p = torch.arange(start, min(filled, start + chunk), device=dev)
+        slots = table[p // bs] * bs + p % bs
+        for m in r.attn_layers:
+            k = torch.randn(len(p), c.num_kv_heads, c.head_dim, device=dev, generator=gen).to(r.dtype)
+            v = torch.randn(len(p), c.num_kv_heads, c.head_dim, device=dev, generator=gen).to(r.dtype)
+            if m in r.tier_layers:
+                r.tier.store.write(m.layer, slots, k, v)
+            else:
+                m.k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, k)
+                m.v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, v)
+            if isinstance(m, SparseAttention):
+                packed, scale = m.sketch_keys(k)
+                m.sketch.view(-1, c.num_kv_heads, m.rank // 2).index_copy_(0, slots, packed)
+                m.sketch_scale.view(-1, c.num_kv_heads).index_copy_(0, slots, scale)
+    for m in r.gdn_layers:
+        m.conv_state[seq.state_slot].normal_(0, 0.1, generator=gen)
+        m.ssm_state[seq.state_slot].normal_(0, 0.01, generator=gen)
+    seq.num_cached = filled
+    if r.tier is not None:
+        r.tier.store.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One point on a sketchkv engine
+# ----------------------------------------------------------------------------------------------------------
+def _sync(dev) -> None:
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def turn1_max_tokens(args, n: int, prefill_tokens: int, chunk: int) -> int:
+    """Turn-1 tokens per agent: enough for the timed window after every agent has prefilled (agents that
+    finish prefill early decode in the meantime, at most one token per step)."""
+    mixed = -(-n * prefill_tokens // max(1, chunk)) + n + 2
+    return 1 + args.warmup_steps + args.decode_tokens + (args.breakdown_steps if args.breakdown else 0) + mixed
+
+
+def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -> dict:
+    import torch
+    from sketchkv.bench import floor as F
+    from sketchkv.bench.breakdown import measure
+    from sketchkv.sampling_params import SamplingParams
+    eng = llm.engine
+    dev, r, sp = eng.device, eng.runner, eng.cfg.sparse
+    vocab = eng.model_config.vocab_size
+    bs = r.block_size
+    filled = 0 if args.fill == "real" else max(0, (L - max(args.tail, bs)) // bs * bs)
+    chunk = eng.cfg.scheduler.max_num_batched_tokens
+    max_tokens = turn1_max_tokens(args, n, L - filled, chunk)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    need = n * -(-(L + max_tokens) // bs)
+    if need > eng.blocks.num_blocks - 1:  # the engine's real KV / host-tier size (the arithmetic was an estimate)
+        from sketchkv.errors import CapacityError
+        raise CapacityError(f"{n} agents need {need} KV blocks, the engine has {eng.blocks.num_blocks - 1}")
+    prompts, msgs = agent_prompts(stream, n, L, args, vocab)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    # ---- cold prefill
+    _sync(dev)
+    t0 = time.perf_counter()
+    seqs = []
+    for ids in prompts:
+        seq = eng.add_request(ids, params)
+        if filled:
+            fill_random(eng, seq, filled, gen)
+        seqs.append(seq)
+    _sync(dev)
+    t_fill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    steps = 0
+    while not all(s.output_token_ids for s in seqs):
+        if not eng.step() and not eng.scheduler.running:
+            raise RuntimeError("the engine made no progress during prefill")
+        steps += 1
+    _sync(dev)
+    prefill_s = time.perf_counter() - t0
+    prefill = {"mode": args.fill, "filled_tokens_per_agent": filled, "fill_seconds": t_fill,
+               "tokens": n * (L - filled), "seconds": prefill_s, "tok_s": n * (L - filled) / prefill_s,
+               "steps": steps, "chunk": chunk}
+    # ---- decode window: every agent in the batch
+    assert len(eng.scheduler.running) == n and not eng.scheduler.waiting, "not every agent is decoding"
+    for _ in range(args.warmup_steps):
+        eng.step()
+    per_seq = llm.tier_stats(per_sequence=True) if r.tier is not None else {}
+    lens0 = [len(s) for s in seqs]
+    tier0 = llm.tier_stats()
+    times = []
+    for _ in range(args.decode_tokens):
+        _sync(dev)
+        t = time.perf_counter()
+        eng.step()
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+        if len(eng.scheduler.running) != n:
+            raise RuntimeError("an agent stopped inside the timed window")
+    tier1 = llm.tier_stats()
+    nsteps = len(times)
+    step_s = sum(times) / nsteps
+    ctx_mean = statistics.fmean(lens0) + (nsteps - 1) / 2   # tokens cached at a step, averaged over the window
+    decode = {"steps": nsteps, "step_ms_mean": 1e3 * step_s, "step_ms_p50": 1e3 * statistics.median(times),
+              "step_ms_max": 1e3 * max(times), "tok_s": n / step_s, "per_agent_tok_s": 1 / step_s,
+              "context_mean": ctx_mean, "graphs": bool(r.graphs)}
+    tier = None
+    pcie = 0.0
+    if tier0 is not None:
+        hits, misses = tier1.hits - tier0.hits, tier1.misses - tier0.misses
+        pcie = (tier1.pcie_read_bytes - tier0.pcie_read_bytes) / nsteps
+        tier = {"hits_per_step": hits / nsteps, "misses_per_step": misses / nsteps,
+                "hit_rate": hits / max(1, hits + misses), "pcie_read_bytes_per_step": pcie,
+                "pcie_write_bytes_per_step": (tier1.pcie_write_bytes - tier0.pcie_write_bytes) / nsteps,
+                "host_row_bytes": r.tier.store.row_bytes, "host_bytes_allocated": tier1.host_bytes,
+                "gpu_bytes_allocated": tier1.gpu_bytes}
+    selected = sp.sink_tokens + sp.top_k + sp.recent_tokens
+    b = F.step_bytes(shape, config == "sparse", n, ctx_mean, selected, pcie)
+    fl = F.floor_seconds(b, bw["hbm"], bw["pcie"] or bw["hbm"])
+    floor = dict(fl, tok_s=n / fl["total_s"], fraction=fl["total_s"] / step_s,
+                 fraction_hbm_only=fl["hbm_s"] / step_s, ms=1e3 * fl["total_s"])
+    # ---- memory per agent: the engine's accounting and the arithmetic
+    if config == "sparse":
+        gpu_agent = statistics.fmean(per_seq[s.request_id].gpu_bytes for s in seqs) + r.state_bytes_per_seq
+        host_agent = statistics.fmean(per_seq[s.request_id].host_bytes for s in seqs)
+    else:
+        gpu_agent = statistics.fmean(len(s.block_table) for s in seqs) * r.kv_bytes_per_block + r.state_bytes_per_seq
+        host_agent = 0.0
+    arith = F.agent_bytes(shape, config, round(statistics.fmean(lens0)), sp.sink_tokens, sp.recent_tokens,
+                          sp.hot_fraction, sp.host_format,
+                          hot_tokens=round(statistics.fmean(len(s.prompt_token_ids) for s in seqs)) + max_tokens)
+    memory = {"gpu_bytes_per_agent": gpu_agent, "host_bytes_per_agent": host_agent,
+              "gpu_bytes_per_agent_arith": arith["gpu"], "host_bytes_per_agent_arith": arith["host"],
+              "tokens_per_agent": statistics.fmean(lens0)}
+    if dev.type == "cuda":
+        memory["gpu_bytes_peak_process"] = torch.cuda.max_memory_allocated(dev)
+    # ---- breakdown
+    bd = None
+    if args.breakdown:
+        bd = measure(eng, args.breakdown_steps)
+        bd["graph_step_ms"] = decode["step_ms_mean"]
+        bd["bytes"] = {"weights": b["weights"], "gdn": b["gdn_state"], "selection": b["sketch"], "attention": b["kv"],
+                       "pcie_misses": b["pcie"]}
+    # ---- follow-up turn: agent 0 alone, then the others together
+    for s in seqs:
+        eng.abort(s.request_id)
+    fu = {"tokens_added": args.followup_tokens, "decode_tokens": args.followup_decode}
+    fparams = SamplingParams(temperature=0, max_tokens=max(1, args.followup_decode), ignore_eos=True)
+    conv = [list(s.token_ids) + m for s, m in zip(seqs, msgs)]
+    groups = [[0]] + ([list(range(1, n))] if n > 1 else [])
+    ttft, cached, prompt_len = [], [], []
+    for grp in groups:
+        _sync(dev)
+        fs = [eng.add_request(conv[i], fparams) for i in grp]
+        while not all(s.first_token_time is not None for s in fs):
+            eng.step()
+        _sync(dev)
+        ttft.append([s.first_token_time - s.arrival for s in fs])
+        cached += [s.num_prompt_cached for s in fs]
+        prompt_len += [s.num_prompt_tokens for s in fs]
+        while eng.has_unfinished:
+            eng.step()
+    fu.update(ttft_s=ttft[0][0], ttft_concurrent_mean_s=statistics.fmean(ttft[1]) if n > 1 else None,
+              ttft_concurrent_max_s=max(ttft[1]) if n > 1 else None, concurrent_agents=n - 1,
+              cached_tokens_mean=statistics.fmean(cached), prompt_tokens_mean=statistics.fmean(prompt_len))
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    return {"decode": decode, "bytes_per_step": b, "floor": floor, "memory": memory, "tier": tier,
+            "prefill": prefill, "followup": fu, "breakdown": bd}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Transformers
+# ----------------------------------------------------------------------------------------------------------
+def load_hf(model: str, device, dtype):
+    import torch
+    if device.type != "cuda" and "fla" not in sys.modules:
+        sys.modules["fla"] = None  # fla's kernels cannot take CPU tensors: transformers falls back to PyTorch
+    import transformers
+    if model.startswith("random:"):
+        from sketchkv.models.presets import PRESETS
+        raw = dict(PRESETS[model[len("random:"):]])
+        mtype = raw.pop("model_type")
+        if mtype != "qwen3_5_text":
+            raise ValueError(f"hf: preset model type {mtype} not wired")
+        cfg = transformers.Qwen3_5TextConfig(**raw)
+        prev = torch.get_default_dtype()
+        with torch.device(device):
+            torch.set_default_dtype(dtype)
+            try:
+                hf = transformers.Qwen3_5ForCausalLM(cfg).eval()
+            finally:
+                torch.set_default_dtype(prev)
+        return hf
+    return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+
+
+def run_hf_point(hf, n: int, L: int, args, stream, shape, bw: dict, vocab: int, device) -> dict:
+    import torch
+    from sketchkv.bench import floor as F
+    prompts, msgs = agent_prompts(stream, n, L, args, vocab)
+    ids, msgs = torch.tensor(prompts, device=device), torch.tensor(msgs, device=device)
+    with torch.inference_mode():
+        _sync(device)
+        t0 = time.perf_counter()
+        cache = None
+        step = args.hf_prefill_chunk or L
+        for s in range(0, L, step):
+            out = hf(ids[:, s:s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+        _sync(device)
+        pre = time.perf_counter() - t0
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for i in range(args.warmup_steps + args.decode_tokens):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = hf(tok, past_key_values=out.past_key_values, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            _sync(device)
+            if i >= args.warmup_steps:
+                times.append(time.perf_counter() - t0)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = hf(msgs, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+        out.logits[:, -1].argmax(-1).tolist()
+        ttft = time.perf_counter() - t0
+    del out, cache
+    step_s = sum(times) / len(times)
+    ctx_mean = L + args.warmup_steps + (len(times) + 1) / 2
+    b = F.step_bytes(shape, False, n, ctx_mean)
+    fl = F.floor_seconds(b, bw["hbm"], bw["pcie"] or bw["hbm"])
+    return {"decode": {"steps": len(times), "step_ms_mean": 1e3 * step_s, "step_ms_p50": 1e3 * statistics.median(times),
+                       "step_ms_max": 1e3 * max(times), "tok_s": n / step_s, "per_agent_tok_s": 1 / step_s,
+                       "context_mean": ctx_mean, "graphs": False},
+            "bytes_per_step": b,
+            "floor": dict(fl, tok_s=n / fl["total_s"], fraction=fl["total_s"] / step_s,
+                          fraction_hbm_only=fl["hbm_s"] / step_s, ms=1e3 * fl["total_s"]),
+            "memory": {"gpu_bytes_per_agent_arith": F.agent_bytes(shape, "hf", L)["gpu"], "host_bytes_per_agent": 0.0},
+            "tier": None,
+            "prefill": {"mode": "real", "tokens": n * L, "seconds": pre, "tok_s": n * L / pre,
+                        "chunk": args.hf_prefill_chunk or L},
+            "followup": {"tokens_added": args.followup_tokens, "ttft_s": ttft, "concurrent_agents": 0,
+                         "note": "all agents in one batch; the cache is kept (no re-sent prefix)"},
+            "breakdown": None}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------------------
+def capacity(shape, config: str, L: int, extra: int, budget: dict, sp) -> dict:
+    from sketchkv.bench import floor as F
+    per = F.agent_bytes(shape, "hf" if config == "hf" else config, L + extra, sp.sink_tokens, sp.recent_tokens,
+                        sp.hot_fraction, sp.host_format)
+    if config == "hf":  # one forward over N x L tokens: its activations scale with the agents
+        per = dict(per, gpu=per["gpu"] + F.activation_estimate(shape, L))
+    return {"per_agent_gpu": per["gpu"], "per_agent_host": per["host"],
+            "max_agents": F.max_agents(per, budget, config)}
+
+
+def run(args, name: str) -> dict:
+    import torch
+    from sketchkv.bench import floor as F
+    from sketchkv.config import build_config
+    from sketchkv.engine.llm_engine import resolve_device, resolve_dtype
+    from sketchkv.errors import SketchKVError
+    from sketchkv.llm import LLM
+    base = {**C.base_options(args), **{k: v for k in SPARSE_KNOBS if (v := getattr(args, k, None)) is not None}}
+    base = {k: (C._parse_value(v, C._flat_fields()[k]) if isinstance(v, str) else v) for k, v in base.items()}
+    cfg0 = build_config(model=args.model, **base)
+    dev = resolve_device(cfg0.device)
+    dtype = resolve_dtype(cfg0.dtype, dev)
+    sp = cfg0.sparse
+    shape = F.shape_of(args.model, dtype, cfg0.cache.block_size, sp.basis)
+    mcfg = model_config(args.model)
+    max_pos = mcfg.max_position_embeddings
+    log = lambda m: C.log(m, args.quiet)  # noqa: E731
+    gib = args.hbm_gib if args.hbm_gib is not None else (4.0 if dev.type == "cuda" else 0.25)
+    bw = {"hbm": F.hbm_bandwidth(dev, gib), "pcie": F.pcie_bandwidth(dev, min(gib, 1.0))}
+    log(f"bandwidth: HBM copy {bw['hbm'] / 1e9:.1f} GB/s" + (f", pinned H2D {bw['pcie'] / 1e9:.1f} GB/s"
+                                                              if bw["pcie"] else " (CPU: host tier = main memory)"))
+    budget = F.budgets(dev, shape, {**base, "max_num_batched_tokens": cfg0.scheduler.max_num_batched_tokens})
+    contexts = sorted(set(args.contexts))
+    chunk = cfg0.scheduler.max_num_batched_tokens
+    extra_fu = args.followup_tokens + args.followup_decode + cfg0.cache.block_size
+    caps = {}
+    for cfgname in args.configs:
+        for L in contexts:
+            ex = turn1_max_tokens(args, 8, L, chunk) + extra_fu  # turn-1 growth (a typical N) + the follow-up
+            caps[(cfgname, L)] = capacity(shape, cfgname, L, ex, budget, sp)
+    info = C.run_info(args.model, base)
+    argv = sys.argv[sys.argv.index("agents") + 1:] if "agents" in sys.argv else []
+    if "agents" in sys.argv:
+        info["command"] = "sketchkv bench agents " + " ".join(shlex.quote(a) for a in argv)
+    stream, source = token_stream(args.model, args.text, max(contexts) + args.followup_tokens)
+    results = {"info": info, "model": args.model, "shape": shape.to_dict(), "bandwidth": bw, "budget": budget,
+               "text": source, "sparse": {"top_k": sp.top_k, "sink_tokens": sp.sink_tokens,
+                                          "recent_tokens": sp.recent_tokens, "host_format": sp.host_format,
+                                          "hot_fraction": sp.hot_fraction},
+               "capacity": [{"config": c, "context": L, **v} for (c, L), v in caps.items()], "rows": []}
+    out_paths = None
+    for cfgname in args.configs:
+        points = []
+        for L in contexts:
+            for a in args.agents:
+                n = caps[(cfgname, L)]["max_agents"] if a == "max" and cfgname == "sparse" else a
+                if a == "max" and cfgname != "sparse":
+                    n = caps[(cfgname, L)]["max_agents"]
+                points.append((L, a, n))
+        row0 = lambda L, a, n: {"config": cfgname, "label": LABELS[cfgname], "agents": n, "agents_arg": a,  # noqa: E731
+                                "context": L, "command": point_command(argv, cfgname, n if a != "max" else "max", L)}
+        runnable, llm, hf = [], None, None
+        for L, a, n in points:
+            cap = caps[(cfgname, L)]
+            if n < 1 or n > cap["max_agents"]:
+                what = {"sparse": "host tier + GPU budgets", "dense": "the GPU KV budget", "hf": "GPU memory"}[cfgname]
+                reason = (f"{n} x {C.fmt_len(L)} does not fit {what}: {cap['max_agents']} agents at this context "
+                          f"({cap['per_agent_gpu'] / 2**30:.2f} GiB GPU" +
+                          (f", {cap['per_agent_host'] / 2**30:.2f} GiB host" if cap["per_agent_host"] else "") +
+                          " per agent)")
+                results["rows"].append({**row0(L, a, n), "status": "skipped", "reason": reason})
+                log(f"{cfgname} {n} x {L}: skipped ({reason})")
+                continue
+            if L + turn1_max_tokens(args, n, L, chunk) + extra_fu > max_pos:
+                reason = f"context + turn-1 tokens + follow-up exceed the model's {max_pos} positions"
+                results["rows"].append({**row0(L, a, n), "status": "skipped", "reason": reason})
+                continue
+            runnable.append((L, a, n))
+        if not runnable:
+            continue
+        try:
+            if cfgname == "hf":
+                hf = load_hf(args.model, dev, dtype)
+            else:
+                nmax = max(n for _, _, n in runnable)
+                lmax = max(L + turn1_max_tokens(args, n, L, chunk) for L, _, n in runnable) + extra_fu
+                opts = dict(base, max_num_seqs=nmax, max_model_len=min(max_pos, lmax),
+                            sparse=cfgname == "sparse", sparse_host_tier=cfgname == "sparse")
+                if getattr(args, "state_cache_gb", None) is None:
+                    opts["state_cache_gb"] = max(8.0, 4 * nmax * shape.gdn_state / 2**30)
+                log(f"{cfgname}: building the engine for up to {nmax} agents x {lmax} tokens")
+                llm = LLM(args.model, **opts)
+        except (SketchKVError, torch.OutOfMemoryError, ValueError, ImportError) as e:
+            for L, a, n in runnable:
+                results["rows"].append({**row0(L, a, n), "status": "error", "reason": f"{type(e).__name__}: {e}"})
+            log(f"{cfgname}: {type(e).__name__}: {e}")
+            continue
+        for L, a, n in runnable:
+            log(f"{cfgname}: {n} agents x {L} tokens")
+            try:
+                if cfgname == "hf":
+                    res = run_hf_point(hf, n, L, args, stream, shape, bw, mcfg.vocab_size, dev)
+                else:
+                    res = run_point(llm, cfgname, n, L, args, stream, shape, bw)
+                row = {**row0(L, a, n), "status": "ok", "bandwidth": bw, **res}
+                d, f = res["decode"], res["floor"]
+                log(f"  decode {d['tok_s']:.1f} tok/s combined ({d['step_ms_mean']:.2f} ms/step), floor "
+                    f"{f['ms']:.2f} ms ({f['fraction']:.0%}); prefill {res['prefill']['tok_s']:.0f} tok/s; "
+                    f"follow-up TTFT {res['followup']['ttft_s']:.3f} s")
+            except (SketchKVError, torch.OutOfMemoryError, RuntimeError, AssertionError) as e:
+                row = {**row0(L, a, n), "status": "error", "reason": f"{type(e).__name__}: {e}"}
+                log(f"  error: {row['reason']}")
+                if llm is not None:
+                    for rid in list(llm.engine.requests):
+                        llm.engine.abort(rid)
+            results["rows"].append(row)
+            C.save_partial(results, args.out_dir, name)
+            gc.collect()
+        if llm is not None:
+            C.release(llm)
+            llm = None
+        if hf is not None:
+            del hf
+            hf = None
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    results["goals"] = goals(results["rows"])
+    out_paths = C.write_outputs(results, args.out_dir, name, markdown, plot)
+    log(f"wrote {out_paths['md']}, {out_paths['json']}, {out_paths['png']}")
+    return results
+
+
+def model_config(model: str):
+    from sketchkv.models.loader import load_config
+    from sketchkv.models.presets import preset_config
+    return preset_config(model[len("random:"):])[0] if model.startswith("random:") else load_config(model)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Goals (issue 8), checked when the run has the rows
+# ----------------------------------------------------------------------------------------------------------
+def goals(rows: list[dict]) -> list[dict]:
+    ok = [r for r in rows if r.get("status") == "ok"]
+    def pick(c, n=None, lo=0, hi=10**9):
+        return [r for r in ok if r["config"] == c and (n is None or r["agents"] == n) and lo <= r["context"] <= hi]
+    out = []
+    for r in pick("sparse", 8, LONG):
+        out.append({"goal": "8 x 250K: combined decode >= 85% of the bytes-moved floor",
+                    "value": f"{r['floor']['fraction']:.0%} ({r['decode']['tok_s']:.0f} tok/s)",
+                    "met": r["floor"]["fraction"] >= 0.85})
+    for r in pick("sparse", 1, 120_000, 140_000):
+        for other, k in (("hf", 8.0), ("dense", 1.3)):
+            for o in pick(other, 1, r["context"], r["context"]):
+                x = r["decode"]["tok_s"] / o["decode"]["tok_s"]
+                out.append({"goal": f"1 x {C.fmt_len(r['context'])}: sparse >= {k}x {LABELS[other]}",
+                            "value": f"{x:.2f}x", "met": x >= k})
+    long = pick("sparse", None, LONG)
+    if long:
+        r = max(long, key=lambda r: r["agents"])
+        out.append({"goal": "largest N x 250K held", "value": f"{r['agents']} agents, {r['decode']['tok_s']:.0f} tok/s",
+                    "met": None})
+    for r in long:
+        if r["prefill"]["mode"] == "real" and r["agents"] == 1:
+            out.append({"goal": "cold prefill of a 250K-class document >= 8K tok/s",
+                        "value": f"{r['prefill']['tok_s']:.0f} tok/s", "met": r["prefill"]["tok_s"] >= 8000})
+        out.append({"goal": f"follow-up TTFT <= 1 s ({r['agents']} x {C.fmt_len(r['context'])}, agent 0 alone)",
+                    "value": f"{r['followup']['ttft_s']:.2f} s", "met": r["followup"]["ttft_s"] <= 1.0})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Outputs
+# ----------------------------------------------------------------------------------------------------------
+def merge(paths: list[str], out_dir: str, name: str) -> dict:
+    import json
+    from sketchkv.errors import SketchKVError
+    parts = []
+    for p in paths:
+        if not os.path.isfile(p):
+            raise SketchKVError(f"{p}: no such file")
+        with open(p) as f:
+            parts.append(json.load(f))
+    merged = dict(parts[0])
+    merged.pop("partial", None)
+    rows = {}  # a point measured twice: the later file's row
+    for part in parts:
+        for row in part["rows"]:
+            rows.pop((row["config"], row["agents"], row["context"]), None)
+            rows[(row["config"], row["agents"], row["context"])] = row
+    merged["rows"] = list(rows.values())
+    merged["capacity"] = [c for part in parts for c in part.get("capacity", [])]
+    merged["sources"] = [{"file": p, "command": part["info"]["command"], "date": part["info"]["date"],
+                          "device": part["info"]["device"], "bandwidth": part.get("bandwidth")}
+                         for p, part in zip(paths, parts)]
+    merged["goals"] = goals(merged["rows"])
+    C.write_outputs(merged, out_dir, name, markdown, plot)
+    C.log(f"merged {len(paths)} files into {os.path.join(out_dir, name)}.md")
+    return merged
+
+
+def _gb(x) -> str:
+    return "–" if x is None else f"{x / 1e9:.3g}"
+
+
+def commands(r: dict) -> list[str]:
+    seen = []
+    for row in r["rows"]:
+        if row["command"] not in seen:
+            seen.append(row["command"])
+    return seen
+
+
+def markdown(r: dict, png: str) -> str:
+    info, bw, shp = r["info"], r["bandwidth"], r["shape"]
+    cmds = commands(r)
+    ref = {c: i + 1 for i, c in enumerate(cmds)}
+    L = [f"# Agents benchmark: {os.path.basename(r['model'].rstrip('/'))}", "",
+         f"- command: `{info['command']}`" if "sources" not in r else
+         "- merged from: " + "; ".join(f"`{s['file']}` (`{s['command']}`, {s['date']})" for s in r["sources"]),
+         f"- date {info['date']}; device {info['device']}; torch {info['torch']}",
+         f"- measured in the run: HBM copy {bw['hbm'] / 1e9:.1f} GB/s (read + write)" +
+         (f", pinned host-to-device {bw['pcie'] / 1e9:.1f} GB/s" if bw.get("pcie") else
+          " (CPU: the host tier is main memory, its reads are counted at this bandwidth)"),
+         f"- model shape: {shp['attn_layers']} full-attention layers x {shp['kv_heads']} KV heads x {shp['head_dim']}; "
+         f"weights read per step {shp['weights'] / 1e9:.3g} GB; GDN state {shp['gdn_state'] / 1e6:.3g} MB per agent; "
+         f"sketch rank {shp['rank']}",
+         f"- sparse: top-k {r['sparse']['top_k']} + {r['sparse']['sink_tokens']} sinks + "
+         f"{r['sparse']['recent_tokens']} recent, host rows {r['sparse']['host_format']}, hot buffer "
+         f"{r['sparse']['hot_fraction']:.3g} of each agent's tokens; prompts: {r['text']}", ""]
+    L += ["## Decode, all agents at once", "",
+          "Floor = bytes a step must move (weights + GDN state read/write + K/V rows read + sketch) / HBM bandwidth "
+          "+ PCIe misses / PCIe bandwidth (`sketchkv/bench/floor.py`). Fraction = floor / measured step time.", "",
+          "| config | agents x context | tok/s combined | per agent | ms/step | floor ms | floor fraction | "
+          "HBM GB/step (weights / GDN / K/V rows / sketch) | PCIe MB/step | hit rate | GPU GB/agent | host GB/agent | "
+          "prefill tok/s | follow-up TTFT s | cmd |",
+          "|" + "---|" * 15]
+    for row in r["rows"]:
+        tag = f"{row['agents']} x {C.fmt_len(row['context'])}"
+        if row["status"] != "ok":
+            L.append(f"| {row['label']} | {tag} | {row['status']}: {row['reason']} |" + " |" * 11 + f" [{ref[row['command']]}] |")
+            continue
+        d, f, b, m, t = row["decode"], row["floor"], row["bytes_per_step"], row["memory"], row["tier"]
+        fu, pf = row["followup"], row["prefill"]
+        ttft = f"{fu['ttft_s']:.3f}" + (f" (others {fu['ttft_concurrent_max_s']:.3f} max)"
+                                        if fu.get("ttft_concurrent_max_s") is not None else "")
+        L.append(f"| {row['label']} | {tag} | {d['tok_s']:.1f} | {d['per_agent_tok_s']:.1f} | {d['step_ms_mean']:.2f} | "
+                 f"{f['ms']:.2f} | {f['fraction']:.0%} | {b['hbm'] / 1e9:.3g} ({_gb(b['weights'])} / {_gb(b['gdn_state'])}"
+                 f" / {_gb(b['kv'])} / {_gb(b['sketch'])}) | {b['pcie'] / 1e6:.3g} | "
+                 f"{'–' if t is None else format(t['hit_rate'], '.3f')} | "
+                 f"{_gb(m.get('gpu_bytes_per_agent', m.get('gpu_bytes_per_agent_arith')))} | "
+                 f"{_gb(m.get('host_bytes_per_agent'))} | {pf['tok_s']:.0f}"
+                 f"{'' if pf['mode'] == 'real' else ' (tail)'} | {ttft} | [{ref[row['command']]}] |")
+    bds = [row for row in r["rows"] if row.get("status") == "ok" and row.get("breakdown")]
+    if bds:
+        from sketchkv.bench.breakdown import GROUPS
+        L += ["", "## Step time by layer group (eager steps; ms per step)", "",
+              f"{bds[0]['breakdown']['method']}. Achieved GB/s = the group's bytes (weights, GDN state, sketch, "
+              "K/V rows, PCIe misses) / its time.", "",
+              "| config | agents x context | " + " | ".join(GROUPS) + " | eager sum | graph step | cmd |",
+              "|" + "---|" * (len(GROUPS) + 5)]
+        for row in bds:
+            bd = row["breakdown"]
+            L.append(f"| {row['label']} | {row['agents']} x {C.fmt_len(row['context'])} | " +
+                     " | ".join(f"{bd['ms'][g]:.2f}" for g in GROUPS) +
+                     f" | {bd['total_ms']:.2f} | {bd['graph_step_ms']:.2f} | [{ref[row['command']]}] |")
+        L += ["", "| config | agents x context | weights GB/s | GDN GB/s | selection (sketch) GB/s | "
+                  "attention + gather (rows) GB/s | PCIe misses GB/s |", "|---|---|---|---|---|---|---|"]
+        for row in bds:
+            bd, ms = row["breakdown"], row["breakdown"]["ms"]
+            rate = lambda by, t: "–" if not by or t <= 0 else f"{by / (t / 1e3) / 1e9:.3g}"  # noqa: E731
+            L.append(f"| {row['label']} | {row['agents']} x {C.fmt_len(row['context'])} | "
+                     f"{rate(bd['bytes']['weights'], ms['weights'] + ms['lm_head'])} | {rate(bd['bytes']['gdn'], ms['gdn'])} | "
+                     f"{rate(bd['bytes']['selection'], ms['selection'])} | "
+                     f"{rate(bd['bytes']['attention'], ms['attention'] + ms['tier_gather'])} | "
+                     f"{rate(bd['bytes']['pcie_misses'], ms['pcie_misses'])} |")
+    L += ["", "## Where each configuration stops (memory arithmetic, before allocating)", "",
+          "Per agent at the context plus this run's turn-1 and follow-up tokens; budgets: GPU memory x utilisation "
+          "- weights - a prefill chunk's activations - 2 GiB (on a CPU: the dense KV budget); host: the tier's "
+          "budget. transformers adds its one-forward prefill activations per agent.", "",
+          "| config | context | GPU GB/agent | host GB/agent | max agents |", "|---|---|---|---|---|"]
+    for c in r.get("capacity", []):
+        L.append(f"| {LABELS[c['config']]} | {C.fmt_len(c['context'])} | {c['per_agent_gpu'] / 1e9:.3g} | "
+                 f"{c['per_agent_host'] / 1e9:.3g} | {c['max_agents']} |")
+    if r.get("goals"):
+        L += ["", "## Goals (issue 8)", "", "| goal | value | met |", "|---|---|---|"]
+        for g in r["goals"]:
+            L.append(f"| {g['goal']} | {g['value']} | {'–' if g['met'] is None else ('yes' if g['met'] else 'no')} |")
+    L += ["", f"![tok/s vs agents and vs context]({png})", "",
+          "## Commands", "", "Each row's `[n]` is reproduced by:", ""]
+    L += [f"{i + 1}. `{c}`" for i, c in enumerate(cmds)]
+    L += ["", "Notes: decode steps are CUDA-graph replays with every agent in the batch; `tok/s combined` = agents / "
+              "mean step time, `per agent` = 1 / mean step time (agents advance in lockstep). With `--fill random` the "
+              "prefill column is the tail prefill (the last --tail tokens per agent over a cached prefix), not a cold "
+              "prefill. Follow-up TTFT: agent 0's next turn alone (its whole conversation + the new tokens re-sent; the "
+              "prefix cache serves it up to the last GDN snapshot), then the other agents' at once (max shown).", ""]
+    return "\n".join(L)
+
+
+def plot(r: dict, path: str) -> None:
+    plt = C.pyplot()
+    ok = [row for row in r["rows"] if row.get("status") == "ok"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    colors = {}
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    def color(key):
+        return colors.setdefault(key, palette[len(colors) % len(palette)])
+
+    for ax, (xkey, gkey, xlabel) in zip(axes, (("agents", "context", "agents"), ("context", "agents", "context (tokens)"))):
+        groups = {}
+        for row in ok:
+            groups.setdefault((row["config"], row[gkey]), []).append(row)
+        for (cfg, g), rows in sorted(groups.items()):
+            rows = sorted(rows, key=lambda x: x[xkey])
+            xs = [x[xkey] for x in rows]
+            lab = f"{cfg} @ {C.fmt_len(g) if gkey == 'context' else str(g) + ' agents'}"
+            c = color((cfg, g))
+            ax.plot(xs, [x["decode"]["tok_s"] for x in rows], "o-", color=c, label=lab)
+            ax.plot(xs, [x["floor"]["tok_s"] for x in rows], "--", color=c, alpha=0.6, label=f"{lab}: floor")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("combined decode tok/s")
+        ax.set_yscale("log")
+        if ok and len({row[xkey] for row in ok}) > 1:
+            ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_title("tok/s vs agents (dashed: bytes-moved floor)")
+    axes[1].set_title("tok/s vs context (dashed: bytes-moved floor)")
+    runs = [src["command"] for src in r["sources"]] if r.get("sources") else [r["info"]["command"]]
+    text = "reproduce: " + "  |  ".join(f"[{chr(97 + i)}] {c}" for i, c in enumerate(runs))
+    import textwrap
+    lines = textwrap.wrap(text, 190)[:8]
+    fig.text(0.01, 0.005, "\n".join(lines), fontsize=6.5, va="bottom", family="monospace")
+    fig.suptitle(f"{os.path.basename(r['model'].rstrip('/'))} on {r['info']['device']} ({r['info']['date'][:10]})")
+    fig.tight_layout(rect=(0, 0.02 + 0.022 * len(lines), 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

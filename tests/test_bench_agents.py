@@ -1,0 +1,155 @@
+"""`sketchkv bench agents` end to end on a CPU at tiny scale (the bundled reference model, 1-2 agents x 1K-2K
+tokens): the report's structure, and its arithmetic checked against an independent computation from the
+checkpoint's files (weights from the safetensors header, state and row sizes from config.json)."""
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from sketchkv.bench.agents import argv_without, parse_agents, parse_tokens, point_command
+from sketchkv.cli import build_parser
+from sketchkv.cli import main as cli_main
+from sketchkv.config import default_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = default_model()
+SMALL = ["--device", "cpu", "--sparse-top-k", "128", "--sparse-sink-tokens", "16", "--sparse-recent-tokens", "128",
+         "--decode-tokens", "6", "--followup-tokens", "32", "--followup-decode", "1", "--hbm-gib", "0.05", "--quiet"]
+
+
+def bench(args: list[str]) -> None:
+    """The CLI in a child process, one thread (the CI machine's 2 cores are shared)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "sketchkv", "bench", "agents", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+def independent_sizes() -> dict:
+    """Bytes of the reference model from its files alone (fp32 on a CPU)."""
+    from safetensors import safe_open
+    cfg = json.load(open(os.path.join(MODEL, "config.json")))
+    with safe_open(os.path.join(MODEL, "model.safetensors"), "pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()
+                     if not k.startswith("mtp.") and not (k == "lm_head.weight" and cfg["tie_word_embeddings"]))
+    with safe_open(os.path.join(MODEL, "key_basis.safetensors"), "pt") as f:
+        rank = f.get_slice("bases").get_shape()[-1]
+    n_lin = cfg["layer_types"].count("linear_attention")
+    n_attn = cfg["layer_types"].count("full_attention")
+    conv_dim = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] + \
+        cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    state = n_lin * 4 * (conv_dim * cfg["linear_conv_kernel_dim"] + cfg["linear_num_value_heads"]
+                         * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"])
+    hkv, d = cfg["num_key_value_heads"], cfg["head_dim"]
+    assert cfg["tie_word_embeddings"]  # else one embedding row per agent instead of the table
+    return {"weights": 4 * params, "state": state, "kv_token": 2 * n_attn * hkv * d * 4,
+            "sketch_token": n_attn * hkv * (rank // 2 + 2), "attn_layers": n_attn,
+            # int4 host row per layer, per KV head: K and V at D/2 bytes each + an fp16 scale per 64 dims each, 16-B padded
+            "host_row": hkv * -(-(d + 4 * (d // min(64, d))) // 16) * 16}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("agents")
+    bench(["--agents", "1", "2", "--contexts", "1K", "2K", "--configs", "sparse", "dense", "--breakdown",
+           "--breakdown-steps", "1", "--out-dir", str(out), "--name", "grid", *SMALL])
+    return out, json.load(open(out / "grid.json"))
+
+
+def test_report_structure_and_commands(report):
+    out, r = report
+    rows = r["rows"]
+    assert [(x["config"], x["agents"], x["context"]) for x in rows] == \
+        [(c, n, L) for c in ("sparse", "dense") for L in (1024, 2048) for n in (1, 2)]
+    assert all(x["status"] == "ok" for x in rows), [x.get("reason") for x in rows]
+    md = (out / "grid.md").read_text()
+    assert "| config | agents x context | tok/s combined" in md and "## Step time by layer group" in md
+    assert "![tok/s vs agents and vs context](grid.png)" in md
+    assert (out / "grid.png").stat().st_size > 10_000
+    parser = build_parser()
+    for i, x in enumerate(rows):   # each row names a command that reruns exactly that point
+        assert f"{i + 1}. `{x['command']}`" in md
+        a = parser.parse_args(shlex.split(x["command"])[1:])
+        assert (a.configs, a.agents, a.contexts, a.model) == ([x["config"]], [x["agents"]], [x["context"]], MODEL)
+    assert {(c["config"], c["context"]) for c in r["capacity"]} == {(c, L) for c in ("sparse", "dense")
+                                                                   for L in (1024, 2048)}
+    assert all(c["max_agents"] >= 2 for c in r["capacity"])
+
+
+def test_bytes_and_floor_arithmetic(report):
+    _, r = report
+    ind = independent_sizes()
+    hbm_bw = r["bandwidth"]["hbm"]
+    assert r["bandwidth"]["pcie"] is None and hbm_bw > 0
+    for x in r["rows"]:
+        n, b, d, fl = x["agents"], x["bytes_per_step"], x["decode"], x["floor"]
+        ctx = d["context_mean"]
+        assert x["context"] + 1 <= ctx <= x["context"] + 64
+        assert b["weights"] == ind["weights"]
+        assert b["gdn_state"] == 2 * n * ind["state"]
+        rows = min(ctx, 16 + 128 + 128) if x["config"] == "sparse" else ctx
+        assert b["kv"] == pytest.approx(n * rows * ind["kv_token"])
+        assert b["sketch"] == pytest.approx(n * ctx * ind["sketch_token"] if x["config"] == "sparse" else 0)
+        assert b["hbm"] == pytest.approx(b["weights"] + b["gdn_state"] + b["kv"] + b["sketch"])
+        assert fl["total_s"] == pytest.approx(b["hbm"] / hbm_bw + b["pcie"] / hbm_bw)
+        assert d["tok_s"] > 0 and d["tok_s"] == pytest.approx(n * 1e3 / d["step_ms_mean"])
+        assert d["per_agent_tok_s"] == pytest.approx(d["tok_s"] / n)
+        assert 0 < fl["fraction"] <= 1.2 and fl["fraction"] == pytest.approx(fl["total_s"] * 1e3 / d["step_ms_mean"])
+        assert d["steps"] == 6 and x["prefill"]["tok_s"] > 0 and x["prefill"]["tokens"] == n * x["context"]
+
+
+def test_tier_counters_memory_and_follow_up(report):
+    _, r = report
+    ind = independent_sizes()
+    for x in r["rows"]:
+        m, t, fu = x["memory"], x["tier"], x["followup"]
+        blocks = math.ceil(m["tokens_per_agent"] / 64)
+        if x["config"] == "sparse":
+            assert t["host_row_bytes"] == ind["host_row"]
+            assert t["pcie_read_bytes_per_step"] == pytest.approx(t["misses_per_step"] * ind["host_row"])
+            assert x["bytes_per_step"]["pcie"] == pytest.approx(t["pcie_read_bytes_per_step"])
+            assert 0 <= t["hit_rate"] <= 1 and t["misses_per_step"] > 0
+            assert m["host_bytes_per_agent"] == blocks * 64 * ind["attn_layers"] * ind["host_row"]
+            assert m["gpu_bytes_per_agent"] == m["gpu_bytes_per_agent_arith"]
+        else:
+            assert t is None and x["bytes_per_step"]["pcie"] == 0
+            assert m["gpu_bytes_per_agent"] == blocks * 64 * ind["kv_token"] + ind["state"]
+        # the follow-up re-sends the conversation: served from the prefix cache up to the prompt's last block
+        assert fu["cached_tokens_mean"] == x["context"] // 64 * 64
+        assert fu["ttft_s"] > 0 and (fu["ttft_concurrent_max_s"] is None) == (x["agents"] == 1)
+        bd = x["breakdown"]
+        assert bd["steps"] == 1 and all(v >= 0 for v in bd["ms"].values()) and bd["ms"]["gdn"] > 0
+        assert (bd["ms"]["selection"] > 0) == (x["config"] == "sparse")
+
+
+def test_random_fill_then_merge(report, tmp_path):
+    """--fill random: the first L - tail tokens come from random caches, the tail is prefilled, and the
+    follow-up still finds the whole prompt in the prefix cache. Then two runs merge into one report."""
+    out, _ = report
+    bench(["--agents", "1", "--contexts", "2K", "--configs", "sparse", "--fill", "random", "--tail", "256",
+           "--out-dir", str(tmp_path), "--name", "fill", *SMALL])
+    r = json.load(open(tmp_path / "fill.json"))
+    (x,) = r["rows"]
+    assert x["status"] == "ok", x.get("reason")
+    assert x["prefill"]["filled_tokens_per_agent"] == 1792 and x["prefill"]["tokens"] == 256
+    assert x["followup"]["cached_tokens_mean"] == 2048
+    assert x["tier"]["misses_per_step"] > 0
+    assert cli_main(["bench", "agents", "--from-json", str(out / "grid.json"), str(tmp_path / "fill.json"),
+                     "--out-dir", str(tmp_path), "--name", "merged", "--quiet"]) == 0
+    m = json.load(open(tmp_path / "merged.json"))
+    assert len(m["rows"]) == 8 and len(m["sources"]) == 2   # the 1 x 2K sparse point: the later file's
+    assert [y for y in m["rows"] if y["config"] == "sparse" and y["agents"] == 1 and y["context"] == 2048][0][
+        "prefill"]["mode"] == "random"
+    assert "merged from" in (tmp_path / "merged.md").read_text()
+
+
+def test_point_flags():
+    assert parse_tokens("250K") == 256000 and parse_tokens("4096") == 4096 and parse_agents("max") == "max"
+    argv = ["--agents", "1", "8", "--contexts", "32K", "--fill", "random", "--configs", "sparse", "dense"]
+    assert argv_without(argv) == ["--fill", "random"]
+    assert point_command(argv, "dense", 8, 32768) == ("sketchkv bench agents --fill random --configs dense "
+                                                      "--agents 8 --contexts 32768")
