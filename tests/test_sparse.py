@@ -10,7 +10,7 @@ from sketchkv.errors import CheckpointError
 from sketchkv.kv.basis import KeyBasis
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
-from sketchkv.ops.sketch import dequantize_int4, quantize_int4, sketch_score, sketch_score_ref
+from sketchkv.ops.sketch import dequantize_int4, quantize_int4, sketch_score, sketch_score_ref, softmax_combine
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import topk, topk_positions, topk_ref
 from conftest import run_interpreter_tests
@@ -73,16 +73,48 @@ def test_sketch_score_reference_against_direct_dot():
     assert torch.isinf(s[0, 0, :4]).all() and torch.isinf(s[0, 0, 42:]).all() and torch.isfinite(s[0, 0, 4:42]).all()
 
 
+def test_sketch_score_head_combines_against_direct_computation():
+    packed, scale, tables, lens = _paged_sketch([90, 300], Hkv=2, r=16, bs=16, seed=3)
+    qp = torch.randn(2, 2, 3, 16)                       # B, Hkv, G query heads, r
+    lo, hi = 4, 300 - 8
+    sk = dequantize_int4(packed[tables[1, : (300 + 15) // 16].long()].flatten(0, 1)[:300],
+                         scale[tables[1, : (300 + 15) // 16].long()].flatten(0, 1)[:300])
+    per_q = torch.einsum("hgr,thr->hgt", qp[1], sk)[:, :, lo:hi]     # [Hkv, G, T] of sequence 1
+    probs = torch.softmax(per_q * 0.125, -1)
+    want = {("sum", True): per_q.sum((0, 1)), ("sum", False): per_q.sum(1),
+            ("max", True): per_q.amax((0, 1)), ("max", False): per_q.amax(1),
+            ("softmax", True): probs.sum((0, 1)).log(), ("softmax", False): probs.sum(1).log()}
+    for (combine, shared), w in want.items():
+        s = sketch_score_ref(qp, packed, scale, tables, lens, 4, 8, 304, shared, combine, 0.125)
+        assert s.shape == (2, 1 if shared else 2, 304)
+        torch.testing.assert_close(s[1, :, lo:hi], w.view(-1, hi - lo), rtol=1e-4, atol=1e-4)
+        assert torch.isinf(s[1, :, :lo]).all() and torch.isinf(s[1, :, hi:]).all()
+    # the sum of scores is linear in q: the group sum scored once gives the same scores
+    torch.testing.assert_close(sketch_score_ref(qp.sum(2), packed, scale, tables, lens, 4, 8, 304),
+                               sketch_score_ref(qp, packed, scale, tables, lens, 4, 8, 304), rtol=1e-4, atol=1e-4)
+
+
+def test_softmax_combine_ranks_a_sharp_head_above_a_broad_loud_one():
+    # head 0: large raw scores, broad (every odd position alike); head 1: one sharp target at t = 8.
+    t = torch.arange(20)
+    s = torch.stack([50.0 + 10.0 * (t % 2), torch.where(t == 8, 8.0, 0.0)])[None]
+    s[0, :, :2] = float("-inf")
+    assert int(s.sum(1).argmax()) % 2 == 1              # summing raw scores follows the loud head
+    c = softmax_combine(s, 1, True, 1.0)
+    assert int(c.argmax()) == 8 and torch.isinf(c[0, 0, :2]).all()
+
+
 @needs_interp
+@pytest.mark.parametrize("combine", ["sum", "max", "softmax"])
 @pytest.mark.parametrize("shared", [True, False])
-def test_interp_sketch_score_kernel_matches_reference(shared):
+def test_interp_sketch_score_kernel_matches_reference(shared, combine):
     packed, scale, tables, lens = _paged_sketch([1, 37, 200, 64], Hkv=4, r=32, bs=16, seed=1)
-    qp = torch.randn(4, 4, 32)
-    out = sketch_score(qp, packed, scale, tables, lens, 4, 16, 208, shared)
-    ref = sketch_score_ref(qp, packed, scale, tables, lens, 4, 16, 208, shared)
-    assert torch.equal(torch.isinf(out), torch.isinf(ref))
-    fin = torch.isfinite(ref)
-    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-4, atol=1e-4)
+    for qp in (torch.randn(4, 4, 32), torch.randn(4, 4, 3, 32)):   # group-summed, and per query head (G = 3)
+        out = sketch_score(qp, packed, scale, tables, lens, 4, 16, 208, shared, combine, 0.2)
+        ref = sketch_score_ref(qp, packed, scale, tables, lens, 4, 16, 208, shared, combine, 0.2)
+        assert torch.equal(torch.isinf(out), torch.isinf(ref))
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(out[fin], ref[fin], rtol=1e-4, atol=1e-4)
 
 
 @needs_interp
@@ -141,13 +173,15 @@ def test_basis_roundtrip_and_mismatch(ckpt_with_basis, tiny_checkpoint):
         LLM(other_path, device="cpu", sparse=True, sparse_basis=path)
 
 
-def test_topk_ge_context_equals_dense(ckpt_with_basis):
+@pytest.mark.parametrize("combine", ["softmax", "sum", "max"])
+def test_topk_ge_context_equals_dense(ckpt_with_basis, combine):
     """top_k >= context with the sparse path forced on: every token is selected -> the dense result."""
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     prompts = [_prompt(300, 1), _prompt(90, 2)]
     dense = LLM(ckpt_with_basis, device="cpu", block_size=16).generate(prompt_token_ids=prompts, sampling_params=sp)
     llm = LLM(ckpt_with_basis, device="cpu", block_size=16,
-              sparse=SparseConfig(sparse=True, top_k=4096, sink_tokens=4, recent_tokens=8, dense_threshold=0))
+              sparse=SparseConfig(sparse=True, top_k=4096, sink_tokens=4, recent_tokens=8, dense_threshold=0,
+                                  head_combine=combine))
     sparse = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     for d, s in zip(dense, sparse):
         assert d.token_ids == s.token_ids

@@ -33,6 +33,8 @@ class ModelRunner:
             sp.sink_tokens + sp.top_k + sp.recent_tokens
         if sp.host_tier and not sp.sparse:
             raise RequestError("sparse_host_tier needs sparse decode (sparse=True): the tier serves the sparse picks")
+        if sp.head_combine not in ("sum", "max", "softmax"):
+            raise RequestError(f"sparse_head_combine must be sum, max or softmax, got {sp.head_combine!r}")
         if sp.host_tier and not sp.shared_selection:
             raise RequestError("sparse_host_tier needs sparse_shared_selection=True (one pick per token for all KV heads)")
         if sp.host_tier and cfg.num_speculative_tokens:

@@ -1,7 +1,9 @@
 """Sparse decode attention: the same interface as `Attention`, reading only the rows that matter.
 
 Each decode step: project the queries through the frozen key basis, score every cached token
-through its int4 sketch, take the top k (deterministic), add the first `sink_tokens` and the last
+through its int4 sketch per query head, combine the heads (`head_combine`: by default the sum of
+each head's softmax over the candidates, i.e. estimated attention mass; or the seed's sum of raw
+scores), take the top k (deterministic), add the first `sink_tokens` and the last
 `recent_tokens`, and run exact softmax attention over exactly those rows. Prefill stays dense
 (and writes the sketches). A sequence whose context fits in sinks + top_k + recent selects all of
 its tokens, so the sparse path then gives the dense result.
@@ -57,10 +59,12 @@ class SparseAttention(Attention):
         c = self.cfg
         B = q.shape[0]
         G = self.num_heads // self.num_kv_heads
-        qs = q.float().view(B, self.num_kv_heads, G, self.head_dim).sum(2)
-        qp = torch.einsum("bhd,hdr->bhr", qs, self.basis)
-        scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens,
-                              c.sink_tokens, c.recent_tokens, max_len, c.shared_selection)
+        qg = q.float().view(B, self.num_kv_heads, G, self.head_dim)
+        if c.head_combine == "sum":  # scores are linear in q: one dot per KV head with the group sum
+            qg = qg.sum(2, keepdim=True)
+        qp = torch.einsum("bhgd,hdr->bhgr", qg, self.basis)
+        scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens, c.sink_tokens,
+                              c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale)
         picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL)
         n = seq_lens.long()[:, None, None]
         ar_s = torch.arange(c.sink_tokens, device=q.device)
