@@ -25,17 +25,17 @@ def _tables(seq_lens, gen):
     return tables.cuda(), sum(need) + 1
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_gpu_sketch_score_250k(shared):
+@pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "softmax"), (True, "max")])
+def test_gpu_sketch_score_250k(shared, combine):
     gen = torch.Generator().manual_seed(11)
     lens = [250_000 - 977 * b for b in range(B)]
     tables, nb = _tables(lens, gen)
     packed, scale = quantize_int4(torch.randn(nb, BS, HKV, R, device="cuda"))
-    qp = torch.randn(B, HKV, R, device="cuda")
+    qp = torch.randn(B, HKV, HQ // HKV, R, device="cuda")  # every query head, projected
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     max_len = tables.shape[1] * BS
-    out = sketch_score(qp, packed, scale, tables, seq_lens, 64, 1024, max_len, shared)
-    ref = sketch_score_ref(qp, packed, scale, tables, seq_lens, 64, 1024, max_len, shared)
+    args = (qp, packed, scale, tables, seq_lens, 64, 1024, max_len, shared, combine, D ** -0.5)
+    out, ref = sketch_score(*args), sketch_score_ref(*args)
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
     fin = torch.isfinite(ref)
     torch.testing.assert_close(out[fin], ref[fin], rtol=1e-3, atol=1e-3)
