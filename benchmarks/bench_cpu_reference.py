@@ -19,18 +19,6 @@ import time
 import torch
 
 
-def heldout_prompt(model: str, n_tokens: int) -> list[int]:
-    from sketchkv.eval.common import heldout_documents, load_tokenizer
-    docs, _ = heldout_documents(model)
-    tok = load_tokenizer(model)
-    ids: list[int] = []
-    for d in docs:
-        ids += tok.encode(d.text).ids
-        if len(ids) >= n_tokens:
-            return ids[:n_tokens]
-    raise SystemExit(f"only {len(ids)} tokens of held-out code found, need {n_tokens}")
-
-
 def time_sketchkv(model: str, prompt: list[int], n: int) -> dict:
     from sketchkv.engine.llm_engine import LLMEngine
     from sketchkv.config import build_config
@@ -80,7 +68,8 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompt = heldout_prompt(args.model, args.context)
+    from sketchkv.eval.common import heldout_token_ids
+    prompt = heldout_token_ids(args.model, args.context)
     ours = time_sketchkv(args.model, prompt, args.tokens)
     hf = None if args.no_hf else time_transformers(args.model, prompt, args.tokens)
     same = None

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, ".")
 from sketchkv import LLM, SamplingParams  # noqa: E402
 from sketchkv.engine.sequence import Status  # noqa: E402
+from sketchkv.bench.floor import hbm_bandwidth  # noqa: E402
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,21 +30,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def sync():
     if DEV == "cuda":
         torch.cuda.synchronize()
-
-
-def hbm_copy_bandwidth(gib: float = 4.0) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 10)."""
-    n = int(gib * 2**30) // 2 if DEV == "cuda" else 2**24
-    a = torch.empty(n, dtype=torch.bfloat16, device=DEV).normal_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(10):
-        sync(); t0 = time.perf_counter(); b.copy_(a); sync()
-        times.append(time.perf_counter() - t0)
-    del a, b
-    return 2 * n * 2 / sorted(times)[len(times) // 2]
 
 
 def decode_floor_bytes(llm: LLM, batch: int, ctx: int) -> dict:
@@ -270,7 +256,7 @@ def main():
                    help="also profile one CTX-token prefill (torch.profiler) and print GPU time by kernel group")
     p.add_argument("--out", default="benchmarks/results/engine.json")
     args = p.parse_args()
-    bw = hbm_copy_bandwidth()
+    bw = hbm_bandwidth(torch.device(DEV), 4.0 if DEV == "cuda" else 0.03)
     print(f"HBM copy bandwidth: {bw/1e12:.2f} TB/s", flush=True)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device=torch.cuda.get_device_name() if DEV == "cuda" else platform.processor(),
                   torch=torch.__version__, python=platform.python_version(), command=" ".join(sys.argv),

@@ -264,18 +264,16 @@ def test_rejection_sampling_preserves_the_distribution(params):
     P, Q = _chain(V, 0, 1.5), _chain(V, 1, 1.5)
     p_of = lambda prev: torch.softmax(_filter(P[prev], params), -1)
     q_of = lambda prev: torch.softmax(Q[prev], -1)
-    exact = torch.zeros([V] * L)
-    for idx in torch.cartesian_prod(*[torch.arange(V)] * L):
-        prob, prev = 1.0, 0
-        for t in idx.tolist():
-            prob, prev = prob * p_of(prev)[t].item(), t
-        exact[tuple(idx.tolist())] = prob
-    naive = torch.zeros([V] * L)
-    for idx in torch.cartesian_prod(*[torch.arange(V)] * L):
-        prob, prev = 1.0, 0
-        for t in idx.tolist():
-            prob, prev = prob * q_of(prev)[t].item(), t
-        naive[tuple(idx.tolist())] = prob
+
+    def joint(prob_of):  # probability of every L-token sequence under a Markov chain starting at token 0
+        out = torch.zeros([V] * L)
+        for idx in torch.cartesian_prod(*[torch.arange(V)] * L):
+            prob, prev = 1.0, 0
+            for t in idx.tolist():
+                prob, prev = prob * prob_of(prev)[t].item(), t
+            out[tuple(idx.tolist())] = prob
+        return out
+    exact, naive = joint(p_of), joint(q_of)
     gen = torch.Generator().manual_seed(7)
     counts = torch.zeros([V] * L)
     for _ in range(N):

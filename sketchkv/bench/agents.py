@@ -45,6 +45,7 @@ import sys
 import time
 
 from sketchkv.eval import common as C
+from sketchkv.errors import SketchKVError
 
 CONFIGS = ("sparse", "dense", "hf")
 LABELS = {"sparse": "sketchkv sparse + host tier", "dense": "sketchkv dense", "hf": "transformers dense"}
@@ -157,7 +158,7 @@ def token_stream(model: str, paths: list[str] | None, need: int) -> tuple[list[i
         docs, src = C.load_documents(paths or [], model)
         source = (f"held-out files of {src['heldout_json']}" if src.get("heldout_json")
                   else ", ".join(src.get("paths", [])))
-    except Exception:
+    except SketchKVError:  # no held-out files here: the calibration text shipped with the model
         calib = os.path.join(model, "calibration")
         if not paths and os.path.isdir(calib):
             docs = [C.Doc(f, f, t) for f in sorted(os.listdir(calib))

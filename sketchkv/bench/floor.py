@@ -161,7 +161,6 @@ def hbm_bandwidth(device: torch.device, gib: float) -> float:
     a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
     b = torch.empty_like(a)
     t = _median_time(lambda: b.copy_(a), device)
-    del a, b
     return 2 * n * 2 / t
 
 
@@ -173,7 +172,6 @@ def pcie_bandwidth(device: torch.device, gib: float) -> float | None:
     src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(n, dtype=torch.uint8, device=device)
     t = _median_time(lambda: dst.copy_(src, non_blocking=True), device)
-    del src, dst
     return n / t
 
 

@@ -253,7 +253,7 @@ class ModelRunner:
 
     def _free_gpu_bytes(self) -> int:
         """GPU bytes left for caches: total x utilization - (weights + the activation peak of a
-        full-budget prefill, measured with a small temporary cache)."""
+        full-budget prefill, measured with a small temporary cache), at most what is free now."""
         n_tok = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
         warm_blocks = math.ceil(n_tok / self.block_size) + 1
         self._allocate_kv(warm_blocks)

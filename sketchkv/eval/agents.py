@@ -358,7 +358,4 @@ def plot(r: dict, path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{os.path.basename(r['info']['model'].rstrip('/'))}: follow-up questions about other parts "
                  f"({r['settings']['samples']} conversations per length, {r['info']['device']})", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_figure(fig, path)

@@ -344,6 +344,18 @@ def heldout_documents(model: str) -> tuple[list[Doc], dict]:
     return docs, source
 
 
+def heldout_token_ids(model: str, n_tokens: int) -> list[int]:
+    """The first n_tokens of the model's held-out files, tokenized file after file (a realistic prompt)."""
+    docs, _ = heldout_documents(model)
+    tok = load_tokenizer(model)
+    ids: list[int] = []
+    for d in docs:
+        ids += tok.encode(d.text).ids
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens]
+    raise SketchKVError(f"only {len(ids)} tokens of held-out code found, need {n_tokens}")
+
+
 def load_documents(paths: list[str], model: str) -> tuple[list[Doc], dict]:
     if paths:
         docs = read_documents(paths)
@@ -468,6 +480,14 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save_figure(fig, path: str) -> None:
+    """Lay out, write (creating the folder) and close a matplotlib figure."""
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
 
 
 def fmt(x, spec: str = ".4f") -> str:

@@ -385,7 +385,4 @@ def plot(r: dict, path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{os.path.basename(r['info']['model'].rstrip('/'))}: {r['settings']['continuation']} scored "
                  f"tokens x {r['settings']['samples']} samples per length ({r['info']['device']})", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_figure(fig, path)
