@@ -19,7 +19,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 export SKETCHKV_PARITY_OUT=$OUT/gpu-parity.json
 case " $STAGES " in *" tests "*)
-  timeout $(( $(left) * 6 / 10 )) python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS 2>&1 | tail -30 | tee "$OUT/gpu-tests.log";;
+  # full log (-rA: every test's outcome, --durations: where the time went) in $OUT; the tail on screen
+  timeout $(( $(left) * ${TESTS_SHARE:-6} / 10 )) python3 -m pytest -m gpu -q -rfE --durations=15 -p no:cacheprovider $TESTS \
+    > "$OUT/gpu-tests.log" 2>&1; tail -40 "$OUT/gpu-tests.log";;
 esac
 case " $STAGES " in *" sparse "*)
   timeout $(( $(left) / 3 )) python3 benchmarks/bench_sparse_ops.py --out "$OUT/sparse-ops.json" 2>&1 | tail -14 | tee "$OUT/sparse-ops.log";;

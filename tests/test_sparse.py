@@ -12,7 +12,7 @@ from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import dequantize_int4, quantize_int4, sketch_score, sketch_score_ref, softmax_combine
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
-from sketchkv.ops.topk import topk, topk_positions, topk_ref
+from sketchkv.ops.topk import topk, topk_positions, topk_positions_torch, topk_ref
 from conftest import run_interpreter_tests
 
 needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
@@ -46,6 +46,19 @@ def test_topk_positions_same_set_as_reference_with_ties_and_masks():
         _, ref = topk_ref(s, k)
         ref = torch.where(s.gather(-1, ref) > float("-inf"), ref, 2**31 - 1)
         assert torch.equal(got.long(), torch.sort(ref, -1).values)
+
+
+@needs_interp
+def test_interp_topk_positions_kernel_matches_torch():
+    # chunks of 2048: ties of the k-th value spread over several chunks, a row with fewer finite
+    # scores than k, +inf scores
+    s = torch.randint(0, 6, (2, 2, 5000)).float()
+    s[0, 1, 3000:] = float("-inf")
+    s[1, 0, :10] = float("inf")
+    for k in (1, 700, 2500):
+        assert torch.equal(topk_positions(s, k, -1), topk_positions_torch(s, k, -1))
+    r = torch.randn(3, 4100)
+    assert torch.equal(topk_positions(r, 64, -1), topk_positions_torch(r, 64, -1))
 
 
 def _paged_sketch(seq_lens, Hkv, r, bs, seed=0):
