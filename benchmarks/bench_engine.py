@@ -107,12 +107,13 @@ def bench_sketchkv(args, bw: float) -> list[dict]:
     max_ctx = max(args.contexts)
     max_b = max(args.batches)
     blocks = max_b * math.ceil((max_ctx + 512) / 64) + 1
-    modes = [("dense", False)] + ([("dense", True)] if args.eager_too else []) + \
-        ([("sparse", False)] if args.sparse else [])
-    for mode, eager in modes:
+    modes = args.modes or (["dense"] + (["dense-eager"] if args.eager_too else []) + (["sparse"] if args.sparse else []))
+    for name in modes:
+        mode, eager = name.split("-")[0], name == "dense-eager"
+        combine = {"sparse-sum": "sum", "sparse-max": "max"}.get(name, "softmax")
         llm = LLM(f"random:{args.preset}", max_num_seqs=max_b, max_model_len=max_ctx + 512,
                   num_kv_blocks=blocks, max_num_batched_tokens=args.prefill_chunk, enforce_eager=eager,
-                  sparse=mode == "sparse")
+                  sparse=mode == "sparse", sparse_head_combine=combine)
         for ctx in args.contexts:
             for b in args.batches:
                 fill_sequences(llm, b, ctx, args.steps + 8)
@@ -122,10 +123,10 @@ def bench_sketchkv(args, bw: float) -> list[dict]:
                 if mode == "sparse":
                     fb = sparse_floor_bytes(llm, b, ctx, fb)
                     floor = fb["total"] / bw
-                rows.append(dict(engine="sketchkv", mode=mode, graphs=not eager, phase="decode", context=ctx, batch=b,
+                rows.append(dict(engine="sketchkv", mode=name.removesuffix("-eager"), graphs=not eager, phase="decode", context=ctx, batch=b,
                                  step_ms=dt * 1e3, tok_s=b / dt, floor_ms=floor * 1e3,
                                  floor_fraction=floor / dt, bytes=fb))
-                print(f"sketchkv {mode} {'eager' if eager else 'graphs'} decode ctx={ctx} b={b}: {dt*1e3:.2f} ms/step "
+                print(f"sketchkv {name} {'eager' if eager else 'graphs'} decode ctx={ctx} b={b}: {dt*1e3:.2f} ms/step "
                       f"{b/dt:.1f} tok/s, floor {floor*1e3:.2f} ms ({floor/dt:.0%})", flush=True)
                 clear(llm)
         if not eager and mode == "dense":
@@ -248,6 +249,9 @@ def main():
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--eager-too", action="store_true", help="also time decode without CUDA graphs")
     p.add_argument("--sparse", action="store_true", help="also time sparse decode (random basis: speed only)")
+    p.add_argument("--modes", nargs="+", choices=["dense", "dense-eager", "sparse", "sparse-sum", "sparse-max"],
+                   help="engine modes to time (overrides --sparse/--eager-too); sparse = the default softmax head "
+                        "combine, sparse-sum / sparse-max the others; prefill runs with dense")
     p.add_argument("--hf", action="store_true", help="also run transformers on the same config")
     p.add_argument("--hf-contexts", type=int, nargs="*", default=[8192, 131072])
     p.add_argument("--hf-batches", type=int, nargs="*", default=[1])

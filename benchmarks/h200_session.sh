@@ -13,14 +13,14 @@ STAGES=${STAGES:-tests sparse engine}
 ENGINE_ARGS=${ENGINE_ARGS:---preset qwen3.5-27b --contexts 8192 131072 --batches 1 8 --prefill-contexts 8192 131072 --steps 24 --sparse --hf}
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+[ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 export SKETCHKV_PARITY_OUT=$OUT/gpu-parity.json
 case " $STAGES " in *" tests "*)
   # full log (-rA: every test's outcome, --durations: where the time went) in $OUT; the tail on screen
-  timeout $(( $(left) * ${TESTS_SHARE:-6} / 10 )) python3 -m pytest -m gpu -q -rfE --durations=15 -p no:cacheprovider $TESTS \
+  timeout $(( $(left) * ${TESTS_SHARE:-6} / 10 )) python3 -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $TESTS \
     > "$OUT/gpu-tests.log" 2>&1; tail -40 "$OUT/gpu-tests.log";;
 esac
 case " $STAGES " in *" sparse "*)
