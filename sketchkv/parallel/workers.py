@@ -111,7 +111,10 @@ def _worker(cfg, rank: int, port: int, device: torch.device, dtype: torch.dtype)
             if method == "exit":
                 break
             try:
-                getattr(runner, method)(*args)
+                if isinstance(method, str):
+                    getattr(runner, method)(*args)
+                else:  # a module-level function, see TensorParallelRunner.on_every_rank
+                    method(runner, *args)
             except SketchKVError:  # rank 0 meets the same one-line error and reports it
                 pass
     finally:
@@ -204,3 +207,9 @@ class TensorParallelRunner:
     def save_state(self, block_hash: int, slot: int) -> None:
         self.workers.call("save_state", block_hash, slot)
         self.runner.save_state(block_hash, slot)
+
+    def on_every_rank(self, fn, *args):
+        """fn(runner, *args) on every rank at once (benchmarks: timing collectives); -> rank 0's result.
+        fn must be importable by name (module level) and its arguments picklable."""
+        self.workers.call(fn, *args)
+        return fn(self.runner, *args)
