@@ -64,7 +64,8 @@ def parity(args) -> list[dict]:
     for dtype in args.parity_dtypes:
         outs = {}
         for tp in (1, args.tp):
-            llm = LLM(default_model(), device=args.device, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=4)
+            llm = LLM(default_model(), device=args.device, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=4,
+                      max_model_len=4096, num_kv_blocks=256)  # a fixed cache: no warm-up prefill to size it
             outs[tp] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
             llm.shutdown()
             del llm
