@@ -53,6 +53,11 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"help": "auto: cuda if available else cpu"})
     seed: int = 0
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs for decode"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": (
+        "shard the model over N devices (attention and Gated DeltaNet heads, MLPs, vocab; all-reduce through "
+        "torch.distributed: NCCL on cuda:0..N-1, gloo on CPU); also --tensor-parallel. Rank 0 runs in this "
+        "process, ranks 1..N-1 are spawned (a script needs an `if __name__ == '__main__':` guard). Not with MoE, "
+        "qwen4_exp, the host tier or speculative decoding yet")})
     num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: tokens drafted per step by the checkpoint's mtp.* layer, verified in one target step (0 = off)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -87,15 +92,18 @@ def _parse(value: str, typ):
     return value
 
 
+ALIASES = {"tensor_parallel_size": ["--tensor-parallel"]}  # short spellings of a few flags
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, skip=("model",)) -> None:
     for name, _, f in flat_fields():
         if name in skip:
             continue
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-")] + ALIASES.get(name, [])
         if "bool" in str(f.type):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_help(name, f))
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=_help(name, f))
         else:
-            parser.add_argument(flag, default=None, help=_help(name, f))
+            parser.add_argument(*flags, default=None, help=_help(name, f))
 
 
 def _help(name: str, f) -> str:

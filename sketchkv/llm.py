@@ -52,6 +52,10 @@ class LLM:
         by the tier). per_sequence=True: {request_id: TierStats(host_bytes, gpu_bytes)} of live sequences."""
         return self.engine.tier_sequence_stats() if per_sequence else self.engine.tier_stats()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (also done at interpreter exit)."""
+        self.engine.shutdown()
+
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], sampling_params)[0]

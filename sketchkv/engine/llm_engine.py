@@ -15,7 +15,7 @@ from sketchkv.errors import RequestError
 from sketchkv.kv.block_manager import BlockManager
 from sketchkv.layers.rejection_sampler import VerifyOutput
 from sketchkv.layers.sampler import SampleOutput
-from sketchkv.models.loader import load_model
+from sketchkv.models.loader import load_model, load_model_config
 from sketchkv.models.tokenizer import Tokenizer
 from sketchkv.sampling_params import SamplingParams
 
@@ -59,17 +59,31 @@ class LLMEngine:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        torch.manual_seed(cfg.seed)
-        self.model_config, self.model = load_model(cfg.model, self.dtype, self.device)
-        # Random-weight presets have no tokenizer: they take token ids only.
-        self.tokenizer = None if cfg.model.startswith("random:") else Tokenizer(cfg.model)
-        self.eos_token_ids = set(self.model_config.eos_token_ids) | self._generation_eos(cfg.model)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         sc = cfg.scheduler
-        sc.max_model_len = min(sc.max_model_len or self.model_config.max_position_embeddings,
-                               self.model_config.max_position_embeddings)
-        self.runner = ModelRunner(cfg, self.model_config, self.model, self.device, self.dtype)
+        max_pos = load_model_config(cfg.model).max_position_embeddings
+        sc.max_model_len = min(sc.max_model_len or max_pos, max_pos)
+        self.workers = None
+        if cfg.tensor_parallel_size > 1:  # ranks 1..N-1 start first and load their copy while we load ours
+            from sketchkv.parallel.tensor_parallel import check_supported
+            from sketchkv.parallel.workers import TensorParallelWorkers
+            check_supported(cfg, load_model_config(cfg.model))
+            self.workers = TensorParallelWorkers(cfg, self.device, self.dtype)
+            self.device = self.workers.device
+        try:
+            torch.manual_seed(cfg.seed)
+            self.model_config, self.model = load_model(cfg.model, self.dtype, self.device)
+            # Random-weight presets have no tokenizer: they take token ids only.
+            self.tokenizer = None if cfg.model.startswith("random:") else Tokenizer(cfg.model)
+            self.eos_token_ids = set(self.model_config.eos_token_ids) | self._generation_eos(cfg.model)
+            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+                self.eos_token_ids.add(self.tokenizer.eos_token_id)
+            self.runner = ModelRunner(cfg, self.model_config, self.model, self.device, self.dtype)
+        except BaseException:
+            if self.workers is not None:  # they may be anywhere in their start: no goodbye message
+                self.workers.kill()
+            raise
+        if self.workers is not None:
+            self.runner = self.workers.driver(self.runner)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size)
         cc = cfg.cache
         self.scheduler = Scheduler(sc, self.blocks, sc.max_num_seqs, prefix_caching=cc.enable_prefix_caching,
@@ -81,6 +95,11 @@ class LLMEngine:
         self.rng.manual_seed(cfg.seed)
         self.requests: dict[str, Sequence] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do on one device). Idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @staticmethod
     def _generation_eos(path: str) -> set[int]:
@@ -194,7 +213,7 @@ class LLMEngine:
                 logger.info("request %s: prefill %d/%d tokens (%.0f tok/s since arrival)", seq.request_id,
                             seq.num_cached, len(seq), (seq.num_cached - seq.num_prompt_cached) / max(took, 1e-6))
             if self.scheduler.snapshot_point(seq, seq.num_cached):
-                self.runner.state_cache.save(seq.block_hashes[-1], self.runner.slot_states(seq.state_slot))
+                self.runner.save_state(seq.block_hashes[-1], seq.state_slot)
         self.stats["steps"] += 1
         self.stats["prefix_cache_queries"] = self.scheduler.prefix_queries
         self.stats["prefix_cache_hits"] = self.scheduler.prefix_hits

@@ -18,6 +18,7 @@ from sketchkv.kv.state_cache import StateCache
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.layers.tiered_attention import TieredAttention
 from sketchkv.models.model_config import ModelConfig
+from sketchkv.parallel.comm import agree_min
 
 
 class ModelRunner:
@@ -46,6 +47,10 @@ class ModelRunner:
                                "tier and speculative decoding are not supported with them yet")
         if sp.sparse:
             self._install_sparse_attention()
+        if cfg.tensor_parallel_size > 1:  # after the sparse install, which checks the basis against the whole model
+            import torch.distributed as dist
+            from sketchkv.parallel.tensor_parallel import shard_model
+            self.model_cfg = model_cfg = shard_model(model, model_cfg, dist.get_rank(), dist.get_world_size())
         # MTP layers get caches only when speculative decoding is on.
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
@@ -76,7 +81,8 @@ class ModelRunner:
             self.num_blocks, pool_rows = self._tier_sizes()
             self._allocate_kv(self.num_blocks, pool_rows)
         else:
-            self.num_blocks = cfg.cache.num_kv_blocks or self._blocks_from_budget()
+            # every rank sizes its own device; the block manager on rank 0 must fit them all
+            self.num_blocks = cfg.cache.num_kv_blocks or agree_min(self._blocks_from_budget())
             self._allocate_kv(self.num_blocks)
         # The MoE block picks its experts on the host (a sync), which a CUDA graph cannot hold.
         has_moe = any(isinstance(m, SparseMoE) for m in model.modules())
@@ -280,7 +286,7 @@ class ModelRunner:
         ids, pos, slots = [], [], []
         for seq, n in batch:
             start = seq.num_cached
-            ids += (seq.token_ids[start:start + n] + seq.draft_token_ids)[:n]  # drafts follow the last token
+            ids += seq.step_token_ids(n)
             pos += range(start, start + n)
             for p in range(start, start + n):
                 slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
@@ -337,6 +343,10 @@ class ModelRunner:
                 seq.restore_hash = None
         if self.tier is not None:
             self.tier.prepare(batch)
+
+    def save_state(self, block_hash: int, slot: int) -> None:
+        """Snapshot one slot's GDN state into the prefix cache's state store (each rank saves its heads' share)."""
+        self.state_cache.save(block_hash, self.slot_states(slot))
 
     def slot_states(self, slot: int) -> list[torch.Tensor]:
         """Views of one slot's state in every GDN layer (conv, recurrent, conv, ...)."""

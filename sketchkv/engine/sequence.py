@@ -65,6 +65,10 @@ class Sequence:
     def num_uncached(self) -> int:
         return len(self.token_ids) - self.num_cached
 
+    def step_token_ids(self, n: int) -> list[int]:
+        """The `n` tokens a step runs: uncached tokens, then the drafts that follow the last one."""
+        return (self.token_ids[self.num_cached:self.num_cached + n] + self.draft_token_ids)[:n]
+
     def num_drafts(self, n: int) -> int:
         """Draft tokens in a step that runs `n` tokens of this sequence (0 for prefill chunks)."""
         return max(0, n - self.num_uncached)

@@ -16,6 +16,7 @@ from sketchkv.layers.attention import Attention
 from sketchkv.ops.sketch import quantize_int4, sketch_score
 from sketchkv.ops.sparse_attention import sparse_attention
 from sketchkv.ops.topk import topk_positions
+from sketchkv.parallel.comm import reduce_selection_scores
 
 SENTINEL = torch.iinfo(torch.int32).max
 
@@ -33,6 +34,7 @@ class SparseAttention(Attention):
         self.sketch = torch.tensor([])        # [num_blocks, block_size, Hkv, r // 2] uint8
         self.sketch_scale = torch.tensor([])  # [num_blocks, block_size, Hkv] fp16
         self.last_indices = None              # picks of the last decode step (for tests and stats)
+        self.tensor_parallel = False          # our heads are one rank's share (parallel/tensor_parallel.py)
 
     def sketch_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         proj = torch.einsum("thd,hdr->thr", k.float() - self.mean, self.basis)
@@ -65,6 +67,8 @@ class SparseAttention(Attention):
         qp = torch.einsum("bhgd,hdr->bhgr", qg, self.basis)
         scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens, c.sink_tokens,
                               c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale)
+        if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
+            scores = reduce_selection_scores(scores, c.head_combine)
         picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL)
         n = seq_lens.long()[:, None, None]
         ar_s = torch.arange(c.sink_tokens, device=q.device)

@@ -42,6 +42,11 @@ def load_config(path: str) -> ModelConfig:
     return ModelConfig.from_hf(raw, cfg_file)
 
 
+def load_model_config(path: str) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory or `random:PRESET`, without loading weights."""
+    return preset_config(path[len("random:"):])[0] if path.startswith("random:") else load_config(path)
+
+
 def weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):

@@ -1,0 +1,156 @@
+"""Tensor parallelism on CPU (gloo, two processes): TP=2 computes what TP=1 computes.
+
+Tolerances: fp32 everywhere; TP=2 adds each row-parallel layer's two partial sums after computing
+them separately, so logits differ from TP=1 only by fp32 summation order (~1e-6 relative per
+layer), far below any greedy margin on these prompts.
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from sketchkv import LLM, SamplingParams
+from sketchkv.config import build_config, default_model
+from sketchkv.errors import RequestError
+
+REF = default_model()
+has_reference = pytest.mark.skipif(not os.path.isfile(os.path.join(REF, "model.safetensors")),
+                                   reason="the reference model is not in sketchkv/assets")
+CPU = dict(device="cpu", dtype="float32", block_size=16)
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    from sketchkv.errors import SketchKVError
+    from sketchkv.eval.common import heldout_token_ids
+    try:
+        ids = heldout_token_ids(REF, sum(lengths))
+    except SketchKVError as e:
+        pytest.skip(f"no held-out code on this machine: {e}")
+    out, start = [], 0
+    for n in lengths:
+        out.append(ids[start:start + n])
+        start += n
+    return out
+
+
+def _generate(prompts, max_tokens, **options):
+    llm = LLM(REF, **CPU, **options)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+        again = [o.token_ids for o in llm.generate(prompt_token_ids=prompts[:1], sampling_params=sp)]  # prefix hit
+        logprobs = llm.teacher_force(prompts[:1], [outs[0]])[0]
+        return outs + again, logprobs
+    finally:
+        llm.shutdown()
+
+
+@has_reference
+def test_tp2_greedy_tokens_and_logits_equal_tp1_on_reference_model():
+    """Several sequences of different lengths in one batch, prompts chunked over steps (mixed
+    prefill + decode steps), then a prefix-cache hit that restores each rank's GDN snapshot."""
+    prompts = _prompts([300, 45, 170, 9])
+    opts = dict(max_num_batched_tokens=128, snapshot_interval_blocks=4)
+    ref, ref_lp = _generate(prompts, 24, **opts)
+    got, got_lp = _generate(prompts, 24, tensor_parallel_size=2, **opts)
+    assert got == ref
+    torch.testing.assert_close(got_lp, ref_lp, rtol=1e-4, atol=1e-4)
+
+
+@has_reference
+@pytest.mark.parametrize("combine,shared", [("softmax", True), ("sum", True), ("max", True), ("softmax", False)])
+def test_tp2_sparse_decode_picks_equal_tp1(combine, shared):
+    """Sparse decode with a tiny top-k, so selection really drops tokens: each rank scores its own KV
+    heads; a shared pick all-reduces the combined scores first, so the picks (and tokens) equal TP=1's."""
+    from sketchkv.config import SparseConfig
+    sp = SparseConfig(sparse=True, top_k=16, sink_tokens=4, recent_tokens=16, dense_threshold=48,
+                      head_combine=combine, shared_selection=shared)
+    prompts = _prompts([260, 120])
+    picks = {}
+    for tp in (1, 2):
+        llm = LLM(REF, **CPU, sparse=sp, tensor_parallel_size=tp)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            out = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+            idx, counts = llm.engine.runner.sparse_layers[-1].last_indices
+            picks[tp] = out, idx, counts
+        finally:
+            llm.shutdown()
+    (ref, ref_idx, _), (got, idx, counts) = picks[1], picks[2]
+    assert counts.max().item() == 4 + 16 + 16 < 120  # selection happened
+    assert got == ref
+    if shared:  # per-KV-head picks: rank 0 holds the first half of the heads
+        assert torch.equal(idx, ref_idx)
+    else:
+        assert torch.equal(idx, ref_idx[:, :idx.shape[1]])
+
+
+# ---- the sharding transform alone (two ranks spawned here, no engine) -------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _runner_logits(model: str, tp: int, seqs_ids: list[list[int]]):
+    from sketchkv.engine.model_runner import ModelRunner
+    from sketchkv.engine.sequence import Sequence
+    from sketchkv.models.loader import load_model
+    cpu = torch.device("cpu")
+    cfg = build_config(model=model, **CPU, tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4)
+    model_cfg, m = load_model(model, torch.float32, cpu)
+    runner = ModelRunner(cfg, model_cfg, m, cpu, torch.float32)
+    batch, block = [], 1
+    for slot, ids in enumerate(seqs_ids):
+        seq = Sequence(ids, params=None)
+        n_blocks = (len(ids) + 15) // 16
+        seq.block_table, seq.state_slot = list(range(block, block + n_blocks)), slot
+        block += n_blocks
+        batch.append((seq, len(ids)))
+    return runner.logits_for(batch), runner.model_cfg, runner.model
+
+
+def _rank(rank: int, port: int, model: str, seqs_ids, out: str) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        logits, model_cfg, model_ = _runner_logits(model, 2, seqs_ids)
+        gdn = next((m for m in model_.modules() if hasattr(m, "num_v_heads")), None)
+        shapes = dict(heads=model_cfg.num_heads, kv_heads=model_cfg.num_kv_heads,
+                      gdn=(gdn.num_k_heads, gdn.num_v_heads, tuple(gdn.conv1d.weight.shape)) if gdn else None,
+                      vocab_rows=model_.lm_head.weight.shape[0])
+        torch.save((logits, shapes), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model", ["random:tiny-hybrid", "llama-bias"])
+def test_sharded_forward_equals_unsharded(model, tiny_checkpoint, tmp_path):
+    """One prefill forward of three sequences, shard_model on two gloo ranks vs the whole model.
+    tiny-hybrid: 4 value heads over 2 key heads (the GDN grouping survives the cut); llama with
+    biases: a row-parallel bias is added once."""
+    if model == "llama-bias":
+        model, _ = tiny_checkpoint("llama", attention_bias=True, mlp_bias=True)
+    seqs = [list(range(3, 40)), list(range(50, 57)), list(range(7, 70, 2))]
+    ref, _, _ = _runner_logits(model, 1, seqs)
+    out = str(tmp_path / "logits")
+    mp.spawn(_rank, args=(_free_port(), model, seqs, out), nprocs=2)
+    (got0, shapes), (got1, _) = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    torch.testing.assert_close(got0, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got1, got0)  # every rank gets the full-vocab logits
+    assert shapes["heads"] == 2 and shapes["kv_heads"] == 1
+    if shapes["gdn"]:  # tiny-hybrid: key heads 2 -> 1, value heads 4 -> 2, conv rows 2*32 + 2*32 + ... halved
+        assert shapes["gdn"] == (1, 2, (2 * 32 + 2 * 32, 1, 4))
+
+
+def test_indivisible_heads_and_unsupported_combos_fail_in_one_line():
+    with pytest.raises(RequestError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=4"):
+        LLM("random:tiny-hybrid", device="cpu", tensor_parallel_size=3)
+    with pytest.raises(RequestError, match="qwen4_exp"):
+        LLM("random:tiny-qwen4-exp", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(RequestError, match="host_tier"):
+        LLM("random:tiny-hybrid", device="cpu", tensor_parallel_size=2, sparse_host_tier=True, sparse=True)
+    with pytest.raises(RequestError, match="speculative"):
+        LLM("random:tiny-hybrid", device="cpu", tensor_parallel_size=2, num_speculative_tokens=2)
