@@ -55,32 +55,45 @@ class Router:
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.lock = threading.Lock()
 
-    def choose(self, ids: list[int], session: str | None, loads: list[Load]) -> tuple[int, str]:
-        """(replica index, why: "session" | "prefix" | "load") for a request; records nothing."""
+    def route(self, ids: list[int], session: str | None, loads: list[Load]) -> tuple[int, str]:
+        """(replica index, why: "session" | "prefix" | "load") for a request, and remember it there (so
+        the next turn follows even while this one is still running)."""
+        hashes = block_hashes(ids, self.block_size)
+        i, why = self._choose(hashes, len(ids), session, loads)
+        self._remember(i, hashes, session)
+        return i, why
+
+    def match(self, replica: int, ids: list[int]) -> int:
+        """Tokens of the longest prefix of `ids` (whole blocks) that `replica` has served."""
+        return self._matched(replica, block_hashes(ids, self.block_size))
+
+    def record(self, replica: int, ids: list[int], session: str | None = None) -> None:
+        """`replica` holds the blocks of `ids` (e.g. a finished request's prompt + output)."""
+        self._remember(replica, block_hashes(ids, self.block_size), session)
+
+    def _choose(self, hashes: list[int], num_tokens: int, session: str | None, loads: list[Load]) -> tuple[int, str]:
         alive = [i for i, ld in enumerate(loads) if ld.alive]
         if not alive:
             return 0, "load"     # every replica is down: the caller reports it
         if session is not None and self.sessions.get(session) in alive:
             return self.sessions[session], "session"
-        matched = {i: self.match(i, ids) for i in alive}
+        matched = {i: self._matched(i, hashes) for i in alive}
         best = max(matched.values())
-        if best and best >= self.min_match_tokens and best >= self.min_match_fraction * len(ids):
+        if best and best >= self.min_match_tokens and best >= self.min_match_fraction * num_tokens:
             return self._least_loaded([i for i in alive if matched[i] == best], loads), "prefix"
         return self._least_loaded(alive, loads), "load"
 
-    def match(self, replica: int, ids: list[int]) -> int:
-        """Tokens of the longest prefix of `ids` (whole blocks) that `replica` has served."""
+    def _matched(self, replica: int, hashes: list[int]) -> int:
         seen, n = self.blocks[replica], 0
-        for h in block_hashes(ids, self.block_size):
+        for h in hashes:
             if h not in seen:
                 break
-            n += self.block_size
-        return n
+            n += 1
+        return n * self.block_size
 
-    def record(self, replica: int, ids: list[int], session: str | None = None) -> None:
-        """`replica` now holds the blocks of `ids` (a prompt, or a prompt + its output) and `session`."""
+    def _remember(self, replica: int, hashes: list[int], session: str | None) -> None:
         seen = self.blocks[replica]
-        for h in reversed(block_hashes(ids, self.block_size)):  # a prefix's first blocks are evicted last
+        for h in reversed(hashes):   # touched last, a prefix's first blocks are evicted last
             seen[h] = None
             seen.move_to_end(h)
         while len(seen) > self.max_blocks:
