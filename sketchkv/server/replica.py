@@ -108,8 +108,8 @@ def replica_main(plan: ReplicaPlan, commands, events) -> None:
     if plan.gpu is not None:   # before torch starts CUDA: the replica sees its one GPU as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = plan.gpu
     import torch
-    if plan.threads:
-        torch.set_num_threads(plan.threads)
+    if plan.threads:   # a share of the cores, never more than OMP_NUM_THREADS asks for
+        torch.set_num_threads(min(plan.threads, torch.get_num_threads()))
     from sketchkv.server.metrics import ServerMetrics
     out = _Outbox(events)
     metrics = ServerMetrics()
