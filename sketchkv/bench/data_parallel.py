@@ -12,7 +12,7 @@ next to each replica's own tok/s and the windows' overlap (shared time / span). 
 per-replica point merged in with --from-json, each point also gets its ratio to one replica.
 
     sketchkv bench agents --model random:qwen3.5-27b --configs sparse --agents 8 --contexts 250K \\
-        --fill random --data-parallel 1 2 --sparse-host-budget-gb 100    # 16 x 250K over 2 GPUs vs 8 x 250K on 1
+        --fill random --data-parallel 1 2 --sparse-host-budget-gb 48    # 16 x 250K on 2 GPUs vs 8 x 250K on 1
 """
 from __future__ import annotations
 
