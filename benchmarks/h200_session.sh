@@ -58,6 +58,11 @@ case " $STAGES " in *" agents "*)
       vs128k) A="$M27 --configs sparse dense hf --agents 1 --contexts 128K --fill random";;
       # the largest N x 250K the host budget holds (80 GiB of the 128 GiB machine pinned: ~18-19 agents): ~4-5 min
       max) A="$M27 --configs sparse --agents max --contexts 250K --fill random --sparse-host-budget-gb 80";;
+      # issue 9 on the 2 x H200 machine (kind nvidia-h200-x2, 256 GB host RAM): 8 x 250K on one GPU alone, then
+      # 16 x 250K as two replicas of 8 x 250K (one engine per GPU, timed windows started together); goal: combined
+      # >= 1.9x the one-GPU tok/s. 48 GB of pinned host tier per replica (8 agents need ~36 GB): ~5-7 min
+      #   STAGES=agents AGENTS_RUNS=dp bash benchmarks/h200_session.sh 590
+      dp) A="$M27 --configs sparse --agents 8 --contexts 250K --fill random --data-parallel 1 2 --sparse-host-budget-gb 48";;
       # the bundled reference model on real text (realistic picks and hit rates), real prefill: ~3-4 min
       reference) A="--configs sparse dense --agents 1 8 --contexts 32K 128K 250K --fill real --breakdown";;
       *) echo "unknown agents run $run"; continue;;

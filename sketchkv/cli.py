@@ -58,18 +58,23 @@ def _serve(args) -> None:
     from sketchkv.server.app import create_app
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.data_parallel < 1:
+        raise SketchKVError("--data-parallel must be >= 1")
     app = create_app(build_config(args, model=args.model), args.served_model_name, args.api_key,
-                     args.max_request_bytes)
+                     args.max_request_bytes, args.data_parallel)
     server = app.state.server
-    logging.getLogger("sketchkv.server").info("loading %s", args.model)
+    log = logging.getLogger("sketchkv.server")
+    log.info("loading %s" + (f" on {args.data_parallel} replicas" if args.data_parallel > 1 else ""), args.model)
     server.startup()  # load before binding: a bad model directory is a one-line error, not a traceback
-    logging.getLogger("sketchkv.server").info("serving %r (max_model_len %s) on http://%s:%d/v1", server.name,
-                                              server.engine.max_model_len, args.host, args.port)
+    for e in server.engines if server.router is not None else []:
+        log.info("replica %d: %s, pid %s", e.index, e.device, e.pid)
+    log.info("serving %r (max_model_len %s) on http://%s:%d/v1", server.name, server.engine.max_model_len,
+             args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                     log_config=None, timeout_graceful_shutdown=5)
     finally:
-        server.engine.shutdown()
+        server.shutdown()
 
 
 def _eval(args) -> None:
@@ -138,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body accepted; larger -> 413 (default: 32 MiB)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+    s.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N engine replicas, one process per GPU (replica i on GPU i; on a CPU, N processes "
+                        "sharing the cores) behind this one endpoint. Requests are routed by session (header "
+                        "X-Session-ID, else the `user` field), then by the longest prompt prefix a replica has "
+                        "served (its prefix cache and host tier), then by load. Engine options apply per replica: "
+                        "--sparse-host-budget-gb is each replica's host RAM (default: half the available RAM, "
+                        "split between replicas). Default 1: one engine in this process")
     add_dataclass_args(s)
     s.set_defaults(func=_serve)
     e = sub.add_parser("eval", help="quality evaluation against dense: kld, recall, agents (JSON + Markdown + PNG)")

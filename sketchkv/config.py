@@ -37,7 +37,7 @@ class SparseConfig:
     recent_tokens: int = field(default=1024, metadata={"help": "last tokens always attended"})
     dense_threshold: int | None = field(default=None, metadata={"help": "contexts up to this run dense (default: sink+top_k+recent)"})
     shared_selection: bool = field(default=True, metadata={"help": "one pick per layer shared by all KV heads (else per KV head)"})
-    head_combine: str = field(default="softmax", metadata={"help": "how the query heads' sketch scores combine into one pick: softmax (sum of per-head softmax probabilities: estimated attention mass) | sum (the seed's sum of raw scores) | max"})
+    head_combine: str = field(default="sum", metadata={"help": "how the query heads' sketch scores combine into one pick: sum (the seed's sum of raw scores; one dot per KV head) | softmax (sum of per-head softmax probabilities, i.e. estimated attention mass: better picks with a weak basis, ~10x the scoring cost today) | max"})
     basis: str | None = field(default=None, metadata={"help": "key basis file (default: MODEL/key_basis.safetensors)"})
     host_tier: bool = field(default=False, metadata={"help": "full-attention K/V live in host RAM; the GPU keeps sketch, sinks, recent tail and a hot buffer (needs sparse)"})
     host_format: str = field(default="int4", metadata={"help": "host rows: int4 | int8 | bf16"})

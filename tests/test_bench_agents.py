@@ -153,3 +153,36 @@ def test_point_flags():
     assert argv_without(argv) == ["--fill", "random"]
     assert point_command(argv, "dense", 8, 32768) == ("sketchkv bench agents --fill random --configs dense "
                                                       "--agents 8 --contexts 32768")
+
+
+def test_data_parallel_replicas_and_ratio(tmp_path):
+    """--data-parallel 1 2: one replica process alone, then two at once (CPU: sharing the cores), windows started
+    together at a barrier; combined tok/s over the common window, and the ratio to one replica. Then the ratio
+    again from a single-replica run merged in with --from-json."""
+    bench(["--agents", "1", "--contexts", "1K", "--configs", "sparse", "--fill", "random", "--tail", "256",
+           "--data-parallel", "1", "2", "--out-dir", str(tmp_path), "--name", "dp", *SMALL])
+    r = json.load(open(tmp_path / "dp.json"))
+    one, two = r["dp_rows"]
+    assert (one["data_parallel"], one["agents"], two["data_parallel"], two["agents"]) == (1, 1, 2, 2)
+    assert one["status"] == two["status"] == "ok" and one["ratio_vs_1"] == 1.0
+    assert [x["replica"] for x in two["replicas"]] == [0, 1] and len(two["replica_rows"]) == 2
+    (w0s, w0e), (w1s, w1e) = (x["window"] for x in two["replicas"])
+    d = two["decode"]
+    assert d["tokens"] == 2 * 6 and math.isclose(d["window_s"], max(w0e, w1e) - min(w0s, w1s))
+    assert math.isclose(d["tok_s"], 12 / d["window_s"]) and 0 < d["overlap"] <= 1
+    assert math.isclose(two["ratio_vs_1"], d["tok_s"] / one["decode"]["tok_s"])
+    (single,) = r["rows"]   # the one-replica run is an ordinary single-engine row
+    assert math.isclose(single["decode"]["tok_s"], one["decode"]["tok_s"], rel_tol=0.2)   # mean step vs window
+    assert "--data-parallel" not in single["command"]
+    assert two["command"].endswith("--agents 1 --contexts 1024 --data-parallel 2")
+    md = (tmp_path / "dp.md").read_text()
+    assert "## Data-parallel replicas" in md and "| 2 x 1 x 1K |" in md
+    # the ratio from a separate single-GPU file
+    with open(tmp_path / "only-dp2.json", "w") as f:
+        json.dump({**r, "rows": [], "dp_rows": [two]}, f)
+    with open(tmp_path / "single.json", "w") as f:
+        json.dump({**r, "dp_rows": []}, f)
+    assert cli_main(["bench", "agents", "--from-json", str(tmp_path / "single.json"), str(tmp_path / "only-dp2.json"),
+                     "--out-dir", str(tmp_path), "--name", "merged-dp", "--quiet"]) == 0
+    (m,) = json.load(open(tmp_path / "merged-dp.json"))["dp_rows"]
+    assert math.isclose(m["ratio_vs_1"], d["tok_s"] / single["decode"]["tok_s"])

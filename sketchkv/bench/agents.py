@@ -32,6 +32,9 @@ bundled reference model (real text, --fill real) gives realistic selection and h
         --fill random --breakdown --out-dir benchmarks/results
     sketchkv bench agents --agents 1 2 --contexts 1K 2K --decode-tokens 16 --device cpu   # CPU, reference model
     sketchkv bench agents --from-json a.json b.json --name agents-2026-12-01   # merge runs into one report
+
+--data-parallel N [N ...] runs the points on N replica processes at once, one engine per GPU, and reports
+the combined tok/s over their common timed window (see sketchkv/bench/data_parallel.py).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import statistics
 import sys
 import time
 
+from sketchkv.bench import data_parallel as DP
 from sketchkv.eval import common as C
 from sketchkv.errors import SketchKVError
 
@@ -106,6 +110,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="output file stem (default: agents-<date>)")
     p.add_argument("--from-json", nargs="+", metavar="JSON", help="run nothing: merge saved result files into "
                                                                    "--out-dir/--name (.json, .md, .png)")
+    p.add_argument("--data-parallel", type=int, nargs="+", metavar="N", default=None,
+                   help="run every point on N replica processes at once (one engine per GPU, each with --agents "
+                        "agents; on a CPU, N processes sharing the cores) and report the combined tok/s over their "
+                        "common timed window; several values (e.g. 1 2) also give the ratio to one replica. "
+                        "--sparse-host-budget-gb is per replica (default: half the available RAM, split)")
     p.add_argument("--quiet", action="store_true")
     keep = set(C.BASE_OPTIONS) | set(SPARSE_KNOBS)
     g = p.add_argument_group("engine options (every sketchkv configuration)")
@@ -116,6 +125,10 @@ def main(args: argparse.Namespace) -> dict:
     name = args.name or f"agents-{datetime.date.today().isoformat()}"
     if args.from_json:
         return merge(args.from_json, args.out_dir, name)
+    if args.data_parallel:
+        if min(args.data_parallel) < 1:
+            raise SketchKVError("--data-parallel values must be >= 1")
+        return DP.run(args, name)
     return run(args, name)
 
 
@@ -312,6 +325,8 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     lens0 = [len(s) for s in seqs]
     tier0 = llm.tier_stats()
     times = []
+    DP.window_barrier()   # data-parallel replicas start their windows together
+    window0 = time.time()
     for _ in range(args.decode_tokens):
         _sync(dev)
         t = time.perf_counter()
@@ -320,13 +335,14 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
         times.append(time.perf_counter() - t)
         if len(eng.scheduler.running) != n:
             raise RuntimeError("an agent stopped inside the timed window")
+    window = [window0, time.time()]   # wall clock: comparable across replica processes
     tier1 = llm.tier_stats()
     nsteps = len(times)
     step_s = sum(times) / nsteps
     ctx_mean = statistics.fmean(lens0) + (nsteps - 1) / 2   # tokens cached at a step, averaged over the window
     decode = {"steps": nsteps, "step_ms_mean": 1e3 * step_s, "step_ms_p50": 1e3 * statistics.median(times),
               "step_ms_max": 1e3 * max(times), "tok_s": n / step_s, "per_agent_tok_s": 1 / step_s,
-              "context_mean": ctx_mean, "graphs": bool(r.graphs)}
+              "context_mean": ctx_mean, "graphs": bool(r.graphs), "window": window}
     tier = None
     pcie = 0.0
     if tier0 is not None:
@@ -481,7 +497,8 @@ def capacity(shape, config: str, L: int, extra: int, budget: dict, sp) -> dict:
             "max_agents": F.max_agents(per, budget, config)}
 
 
-def run(args, name: str) -> dict:
+def run(args, name: str, write: bool = True) -> dict:
+    """Every point; write=False: only return the results (a data-parallel replica)."""
     import torch
     from sketchkv.bench import floor as F
     from sketchkv.config import build_config
@@ -497,7 +514,7 @@ def run(args, name: str) -> dict:
     shape = F.shape_of(args.model, dtype, cfg0.cache.block_size, sp.basis)
     mcfg = model_config(args.model)
     max_pos = mcfg.max_position_embeddings
-    log = lambda m: C.log(m, args.quiet)  # noqa: E731
+    log = lambda m: C.log(DP.HOOK["prefix"] + m, args.quiet)  # noqa: E731
     gib = args.hbm_gib if args.hbm_gib is not None else (4.0 if dev.type == "cuda" else 0.25)
     bw = {"hbm": F.hbm_bandwidth(dev, gib), "pcie": F.pcie_bandwidth(dev, min(gib, 1.0))}
     log(f"bandwidth: HBM copy {bw['hbm'] / 1e9:.1f} GB/s" + (f", pinned H2D {bw['pcie'] / 1e9:.1f} GB/s"
@@ -513,6 +530,7 @@ def run(args, name: str) -> dict:
             caps[(cfgname, L)] = capacity(shape, cfgname, L, ex, budget, sp)
     info = C.run_info(args.model, base)
     argv = sys.argv[sys.argv.index("agents") + 1:] if "agents" in sys.argv else []
+    argv = argv_without(argv, ("--data-parallel",))   # a replica's rows: one engine, one GPU
     if "agents" in sys.argv:
         info["command"] = "sketchkv bench agents " + " ".join(shlex.quote(a) for a in argv)
     stream, source = token_stream(args.model, args.text, max(contexts) + args.followup_tokens)
@@ -583,11 +601,13 @@ def run(args, name: str) -> dict:
             except (SketchKVError, torch.OutOfMemoryError, RuntimeError, AssertionError) as e:
                 row = {**row0(L, a, n), "status": "error", "reason": f"{type(e).__name__}: {e}"}
                 log(f"  error: {row['reason']}")
+                DP.abort_barrier()
                 if llm is not None:
                     for rid in list(llm.engine.requests):
                         llm.engine.abort(rid)
             results["rows"].append(row)
-            C.save_partial(results, args.out_dir, name)
+            if write:
+                C.save_partial(results, args.out_dir, name)
             gc.collect()
         if llm is not None:
             C.release(llm)
@@ -599,8 +619,9 @@ def run(args, name: str) -> dict:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     results["goals"] = goals(results["rows"])
-    out_paths = C.write_outputs(results, args.out_dir, name, markdown, plot)
-    log(f"wrote {out_paths['md']}, {out_paths['json']}, {out_paths['png']}")
+    if write:
+        out_paths = C.write_outputs(results, args.out_dir, name, markdown, plot)
+        log(f"wrote {out_paths['md']}, {out_paths['json']}, {out_paths['png']}")
     return results
 
 
@@ -613,7 +634,7 @@ def model_config(model: str):
 # ----------------------------------------------------------------------------------------------------------
 # Goals (issue 8), checked when the run has the rows
 # ----------------------------------------------------------------------------------------------------------
-def goals(rows: list[dict]) -> list[dict]:
+def goals(rows: list[dict], dp_rows: list[dict] = ()) -> list[dict]:
     ok = [r for r in rows if r.get("status") == "ok"]
     def pick(c, n=None, lo=0, hi=10**9):
         return [r for r in ok if r["config"] == c and (n is None or r["agents"] == n) and lo <= r["context"] <= hi]
@@ -639,7 +660,7 @@ def goals(rows: list[dict]) -> list[dict]:
                         "value": f"{r['prefill']['tok_s']:.0f} tok/s", "met": r["prefill"]["tok_s"] >= 8000})
         out.append({"goal": f"follow-up TTFT <= 1 s ({r['agents']} x {C.fmt_len(r['context'])}, agent 0 alone)",
                     "value": f"{r['followup']['ttft_s']:.2f} s", "met": r["followup"]["ttft_s"] <= 1.0})
-    return out
+    return out + DP.goals(list(dp_rows), LONG)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -662,11 +683,19 @@ def merge(paths: list[str], out_dir: str, name: str) -> dict:
             rows.pop((row["config"], row["agents"], row["context"]), None)
             rows[(row["config"], row["agents"], row["context"])] = row
     merged["rows"] = list(rows.values())
+    dp = {}  # data-parallel points likewise, keyed by their replica count too
+    for part in parts:
+        for row in part.get("dp_rows", []):
+            key = (row["config"], row["agents_per_replica"], row["context"], row["data_parallel"])
+            dp.pop(key, None)
+            dp[key] = row
+    merged["dp_rows"] = list(dp.values())
+    DP.add_ratios(merged["dp_rows"], merged["rows"])
     merged["capacity"] = [c for part in parts for c in part.get("capacity", [])]
     merged["sources"] = [{"file": p, "command": part["info"]["command"], "date": part["info"]["date"],
                           "device": part["info"]["device"], "bandwidth": part.get("bandwidth")}
                          for p, part in zip(paths, parts)]
-    merged["goals"] = goals(merged["rows"])
+    merged["goals"] = goals(merged["rows"], merged["dp_rows"])
     C.write_outputs(merged, out_dir, name, markdown, plot)
     C.log(f"merged {len(paths)} files into {os.path.join(out_dir, name)}.md")
     return merged
@@ -678,7 +707,7 @@ def _gb(x) -> str:
 
 def commands(r: dict) -> list[str]:
     seen = []
-    for row in r["rows"]:
+    for row in r["rows"] + r.get("dp_rows", []):
         if row["command"] not in seen:
             seen.append(row["command"])
     return seen
@@ -747,6 +776,7 @@ def markdown(r: dict, png: str) -> str:
                      f"{rate(bd['bytes']['selection'], ms['selection'])} | "
                      f"{rate(bd['bytes']['attention'], ms['attention'] + ms['tier_gather'])} | "
                      f"{rate(bd['bytes']['pcie_misses'], ms['pcie_misses'])} |")
+    L += DP.markdown(r, ref)
     L += ["", "## Where each configuration stops (memory arithmetic, before allocating)", "",
           "Per agent at the context plus this run's turn-1 and follow-up tokens; budgets: GPU memory x utilisation "
           "- weights - a prefill chunk's activations - 2 GiB (on a CPU: the dense KV budget); host: the tier's "

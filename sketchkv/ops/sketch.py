@@ -88,24 +88,16 @@ def sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
 if triton is not None:
 
     @triton.jit
-    def _logaddexp(a, b):
-        mx = tl.maximum(a, b)
-        mn = tl.minimum(a, b)
-        return tl.where(mx == float("-inf"), mx, mx + tl.log(1.0 + tl.exp(mn - mx)))
-
-    @triton.jit
-    def _sketch_score_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr,
-                             sinks, recent, max_len, num_blocks, sm_scale,
+    def _sketch_score_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr,
+                             sinks, recent, max_len, num_blocks,
                              stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb, stride_ob,
                              stride_oh, HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
                              G: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
         # One program per (sequence, BPP consecutive KV blocks). A block's sketch rows for all heads
         # are one contiguous [BS, HKV * R/2] byte tile, loaded whole (coalesced) and read once for all
         # G query heads of each KV head; a score is a dot over the flattened (head, dim) axis, scaled
-        # per (token, head). MODE 0: sum over the G heads, 1: max. Softmax combine takes two launches
-        # that never store per-head scores: MODE 3 stores each block's per-head log-sum-exp (out [B, blocks, HKV * G]),
-        # MODE 4 reads the global per-head log-sum-exp (lse [B, HKV * G]) and stores the log of the
-        # summed per-head probabilities.
+        # per (token, head). MODE 0: sum over the G heads, 1: max, 2: every query head stored
+        # (out row h * G + g; SHARED ignored).
         b = tl.program_id(0)
         n = tl.load(lens_ptr + b)
         C: tl.constexpr = HKV * (R // 2)
@@ -125,35 +117,23 @@ if triton is not None:
             hi = ((packed >> 4) - 8).to(tl.float32)
             scale = tl.load(sc_ptr + blk * stride_scb + rows[:, None] * HKV + heads[None, :],
                             mask=live & valid[:, None], other=0.0).to(tl.float32)
-            acc = tl.full((BS, HKV), float("-inf") if MODE == 1 or MODE == 4 else 0.0, tl.float32)
+            acc = tl.full((BS, HKV), float("-inf") if MODE == 1 else 0.0, tl.float32)
             for g in tl.static_range(G):
                 qe = tl.load(qbase + g * stride_qg).to(tl.float32)      # even dims of every head [C]
                 qo = tl.load(qbase + g * stride_qg + 1).to(tl.float32)  # odd dims
                 per_head = tl.sum(tl.reshape(lo * qe[None, :] + hi * qo[None, :], (BS, HKV, R // 2)), axis=2)
                 per_head = per_head * scale                                       # [BS, HKV]
-                if MODE == 0:
+                if MODE == 2:
+                    score = tl.where((valid & live)[:, None], per_head, float("-inf"))
+                    tl.store(out_ptr + b * stride_ob + (heads[None, :] * G + g) * stride_oh + t[:, None], score,
+                             mask=(t < max_len)[:, None])
+                elif MODE == 0:
                     acc = acc + per_head
-                elif MODE == 1:
+                else:
                     acc = tl.maximum(acc, per_head)
-                elif MODE == 3:  # this block's log-sum-exp per query head
-                    x = tl.where((valid & live)[:, None], per_head * sm_scale, float("-inf"))
-                    m = tl.max(x, axis=0)
-                    m_safe = tl.where(m == float("-inf"), 0.0, m)
-                    lse_blk = m_safe + tl.log(tl.sum(tl.exp(x - m_safe[None, :]), axis=0))
-                    tl.store(out_ptr + b * stride_ob + j * stride_oh + heads * G + g, lse_blk, mask=live)
-                else:  # MODE 4: log-probability of this head, added in log space
-                    lse = tl.load(lse_ptr + b * HKV * G + heads * G + g)
-                    acc = _logaddexp(acc, per_head * sm_scale - lse[None, :])
-            if MODE != 3:
-                if SHARED:  # one pick for all KV heads: combine them too
-                    if MODE == 0:
-                        comb = tl.sum(acc, axis=1)
-                    elif MODE == 1:
-                        comb = tl.max(acc, axis=1)
-                    else:
-                        m = tl.max(acc, axis=1)
-                        m_safe = tl.where(m == float("-inf"), 0.0, m)
-                        comb = m_safe + tl.log(tl.sum(tl.exp(acc - m_safe[:, None]), axis=1))
+            if MODE != 2:
+                if SHARED:
+                    comb = tl.sum(acc, axis=1) if MODE == 0 else tl.max(acc, axis=1)
                     score = tl.where(valid & live, comb, float("-inf"))
                     tl.store(out_ptr + b * stride_ob + t, score, mask=t < max_len)
                 else:
@@ -170,24 +150,16 @@ def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, r
     # each block's rows must be one contiguous [bs, Hkv * r/2] tile (how the runner allocates them)
     assert sketch.stride(1) == Hkv * (r // 2) and sketch.stride(2) == r // 2 and sketch.stride(3) == 1
     assert scale.stride(1) == Hkv and scale.stride(2) == 1
+    mode = COMBINES.index(combine)
+    rows = Hkv * G if mode == 2 else (1 if shared else Hkv)
+    out = torch.empty(B, rows, max_len, dtype=torch.float32, device=qp.device)
     nblk = triton.cdiv(max_len, bs)
     bpp = 4  # blocks per program: more bytes in flight per program
-    grid = (B, triton.cdiv(nblk, bpp))
-    args = (sinks, recent, max_len, min(nblk, block_tables.shape[1]), sm_scale, qp.stride(0), qp.stride(1),
-            qp.stride(2), sketch.stride(0), scale.stride(0), block_tables.stride(0))
-    out = torch.empty(B, 1 if shared else Hkv, max_len, dtype=torch.float32, device=qp.device)
-    lse = out  # unused unless softmax
-    if combine == "softmax":
-        # per-block, per-head log-sum-exp, reduced over blocks: each head's softmax normaliser
-        blk = torch.full((B, nblk, Hkv * G), float("-inf"), dtype=torch.float32, device=qp.device)
-        _sketch_score_kernel[grid](qp, sketch, scale, block_tables, seq_lens, blk, blk, *args, blk.stride(0),
-                                   blk.stride(1), HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, MODE=3, SHARED=shared)
-        lse = torch.logsumexp(blk, 1)
-        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).contiguous()
-    mode = {"sum": 0, "max": 1, "softmax": 4}[combine]
-    _sketch_score_kernel[grid](qp, sketch, scale, block_tables, seq_lens, out, lse, *args, out.stride(0),
-                               out.stride(1), HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, MODE=mode, SHARED=shared)
-    return out
+    _sketch_score_kernel[(B, triton.cdiv(nblk, bpp))](
+        qp, sketch, scale, block_tables, seq_lens, out, sinks, recent, max_len, min(nblk, block_tables.shape[1]),
+        qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0), scale.stride(0), block_tables.stride(0),
+        out.stride(0), out.stride(1), HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, MODE=mode, SHARED=shared)
+    return softmax_combine(out, Hkv, shared, sm_scale) if mode == 2 else out
 
 
 def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,

@@ -6,6 +6,10 @@ Requests are validated and tokenized on the asyncio side (with a tokenizer of th
 engine and its tokenizer belong to the engine thread), handed to the engine thread as token ids, and
 answered from the per-request event queue it fills (see engine_thread.py). A client that goes away
 (stream cancelled, or disconnect noticed while waiting) has its request aborted in the engine.
+
+With `data_parallel` N > 1 the engines are N replica processes (replica.py) with the same interface, and
+each request goes where router.py says (session key, prefix affinity, load); the response header
+`X-Sketchkv-Replica` names the replica that served it.
 """
 import asyncio
 import hmac
@@ -28,7 +32,7 @@ from sketchkv.errors import SketchKVError
 from sketchkv.sampling_params import SamplingParams
 from sketchkv.server import protocol as P
 from sketchkv.server.engine_thread import EngineDeadError, EngineThread, Event
-from sketchkv.server.metrics import ServerMetrics
+from sketchkv.server.metrics import ReplicaCollector, ServerMetrics
 from sketchkv.server.protocol import ApiError
 
 log = logging.getLogger("sketchkv.server")
@@ -36,6 +40,7 @@ log = logging.getLogger("sketchkv.server")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20   # agents send 250K-token conversations (~1 MB of text, more as JSON)
 _OFFLOAD_CHARS = 32_768                  # tokenize / parse bigger inputs off the event loop
 _DISCONNECT_CHECK_S = 0.25   # how often a waiting handler looks for a gone client / dead engine
+_OFFLOAD_TOKENS = 32_768     # route (hash) longer prompts off the event loop
 
 
 def default_served_name(model: str) -> str:
@@ -86,13 +91,24 @@ def _map_error(e: BaseException) -> ApiError:
 class _Server:
     """Shared state of one app: engine thread, tokenizer, metrics, settings."""
 
-    def __init__(self, cfg: EngineConfig, served_model_name: str, api_key: str | None, max_request_bytes: int):
+    def __init__(self, cfg: EngineConfig, served_model_name: str, api_key: str | None, max_request_bytes: int,
+                 data_parallel: int = 1):
         self.cfg = cfg
         self.name = served_model_name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
-        self.metrics = ServerMetrics()
-        self.engine = EngineThread(cfg, self.metrics)
+        self.router = None
+        if data_parallel > 1:
+            from sketchkv.server.replica import ReplicaClient, plan_replicas
+            from sketchkv.server.router import Router
+            self.router = Router(data_parallel, cfg.cache.block_size)
+            self.engines = [ReplicaClient(p, on_finished=self._finished) for p in plan_replicas(cfg, data_parallel)]
+            self.metrics = ServerMetrics(engine=False)
+            self.metrics.registry.register(ReplicaCollector(self.engines))
+        else:
+            self.metrics = ServerMetrics()
+            self.engines = [EngineThread(cfg, self.metrics)]
+        self.engine = self.engines[0]   # model facts (max_model_len, tokenizer) are the same on every replica
         self.tokenizer = None
         self.created = P.now()
         self._started = False
@@ -103,12 +119,41 @@ class _Server:
         """Build the engine (on its thread) and the server's tokenizer; raises if the model cannot load."""
         if self._started:
             return
-        self.engine.start()
-        self.engine.wait_ready()
+        for e in self.engines:   # replicas build their engines in parallel
+            e.start()
+        try:
+            for e in self.engines:
+                e.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
         if self.engine.has_tokenizer:
             from sketchkv.models.tokenizer import Tokenizer
             self.tokenizer = Tokenizer(self.cfg.model)
         self._started = True
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+
+    # ---- data-parallel routing -----------------------------------------------------------------
+    async def pick_replica(self, ids: list[int], session: str | None) -> int:
+        if self.router is None:
+            return 0
+        if len(ids) > _OFFLOAD_TOKENS:
+            return await anyio.to_thread.run_sync(self._route, ids, session)
+        return self._route(ids, session)
+
+    def _route(self, ids: list[int], session: str | None) -> int:
+        with self.router.lock:
+            i, why = self.router.route(ids, session, [e.load() for e in self.engines])
+        log.debug("request of %d tokens -> replica %d (%s)", len(ids), i, why)
+        return i
+
+    def _finished(self, replica: int, ids: list[int]) -> None:
+        """A replica's reader thread: its prefix cache now also holds the request's output."""
+        with self.router.lock:
+            self.router.record(replica, ids)
 
     # ---- request plumbing ----------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -246,15 +291,23 @@ class _Handle:
 
     def __init__(self, server: _Server, request: Request, rid: str, t0: float):
         self.s, self.request, self.rid, self.t0 = server, request, rid, t0
+        self.replica = 0
+        self.engine = server.engine
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.num_prompt = self.num_cached = self.num_generated = 0
         self.first_token: float | None = None
         self.done = False
         self._checked = time.monotonic()
 
-    async def start(self, ids: list[int], params: SamplingParams) -> None:
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Sketchkv-Replica": str(self.replica)}
+
+    async def start(self, ids: list[int], params: SamplingParams, session: str | None = None) -> None:
+        self.replica = await self.s.pick_replica(ids, session)
+        self.engine = self.s.engines[self.replica]
         try:
-            self.s.engine.submit(self.rid, ids, params, asyncio.get_running_loop(), self.queue)
+            self.engine.submit(self.rid, ids, params, asyncio.get_running_loop(), self.queue)
         except EngineDeadError as e:
             raise _map_error(e) from None
         ev = await self.next()
@@ -278,9 +331,9 @@ class _Handle:
                 try:
                     ev = await asyncio.wait_for(self.queue.get(), _DISCONNECT_CHECK_S)
                 except TimeoutError:
-                    if not self.s.engine.alive:
+                    if not self.engine.alive:
                         self.done = True
-                        raise _map_error(EngineDeadError(self.s.engine._dead_message())) from None
+                        raise _map_error(EngineDeadError(self.engine._dead_message())) from None
                     continue
             if ev.kind == "output":
                 if self.first_token is None and ev.token_ids:
@@ -296,7 +349,7 @@ class _Handle:
     def abort(self) -> None:
         """Client gone (or handler cancelled): free the sequence in the engine."""
         if not self.done:
-            self.s.engine.abort(self.rid)
+            self.engine.abort(self.rid)
             self._finish("abort", time.monotonic())
 
     def _finish(self, reason: str, t_end: float) -> None:
@@ -312,14 +365,15 @@ class _Handle:
 
 
 def create_app(engine_config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, data_parallel: int = 1) -> FastAPI:
     """The app; its engine starts with the app's lifespan (or earlier: `app.state.server.startup()`).
 
-    api_key None: taken from $SKETCHKV_API_KEY if set; empty: no authentication."""
+    api_key None: taken from $SKETCHKV_API_KEY if set; empty: no authentication. data_parallel N > 1: N
+    replica processes (one per GPU) behind this app."""
     if api_key is None:
         api_key = os.environ.get("SKETCHKV_API_KEY") or None
     server = _Server(engine_config, served_model_name or default_served_name(engine_config.model), api_key,
-                     max_request_bytes)
+                     max_request_bytes, data_parallel)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -327,7 +381,7 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
         try:
             yield
         finally:
-            await anyio.to_thread.run_sync(server.engine.shutdown)
+            await anyio.to_thread.run_sync(server.shutdown)
 
     app = FastAPI(title="sketchkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -358,6 +412,13 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
     # ---- endpoints -----------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        if server.router is not None:   # data-parallel: 200 while any replica serves ("degraded" if not all)
+            reps = [{"replica": e.index, "alive": e.alive, "device": e.device, "pid": e.pid,
+                     "in_flight": e.load().in_flight, **({} if e.alive else {"error": e._dead_message()})}
+                    for e in server.engines]
+            up = sum(r["alive"] for r in reps)
+            status = "ok" if up == len(reps) else "degraded" if up else "unavailable"
+            return JSONResponse({"status": status, "replicas": reps}, status_code=200 if up else 503)
         if server.engine.alive:
             return {"status": "ok"}
         return JSONResponse(_map_error(EngineDeadError(server.engine._dead_message())).body(), status_code=503)
@@ -379,7 +440,7 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
         return P.model_card(server.name, server.engine.max_model_len, server.created)
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(request: Request, response: Response):
         t0 = time.monotonic()
         server.check_auth(request)
         req: P.CompletionRequest = server.validate(P.CompletionRequest, await server.read_json(request))
@@ -398,7 +459,8 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
                 prompt_text = server.tokenizer.decode(ids, skip_special_tokens=False)
         server.check_length(ids, "prompt")
         h = _Handle(server, request, f"cmpl-{uuid.uuid4().hex}", t0)
-        await h.start(ids, params)
+        await h.start(ids, params, request.headers.get("x-session-id") or req.user)
+        response.headers.update(h.headers)
         created = P.now()
         want_lp = req.logprobs is not None
         if req.stream:
@@ -414,7 +476,7 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
                                      P.usage(h.num_prompt, len(tokens), h.num_cached))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def chat_completions(request: Request, response: Response):
         t0 = time.monotonic()
         server.check_auth(request)
         req: P.ChatCompletionRequest = server.validate(P.ChatCompletionRequest, await server.read_json(request))
@@ -436,7 +498,8 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
         ids = await server.encode(text)
         server.check_length(ids, "messages")
         h = _Handle(server, request, f"chatcmpl-{uuid.uuid4().hex}", t0)
-        await h.start(ids, params)
+        await h.start(ids, params, request.headers.get("x-session-id") or req.user)
+        response.headers.update(h.headers)
         created = P.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -537,4 +600,4 @@ def _stream(server: _Server, h: _Handle, params: SamplingParams, include_usage: 
             h.abort()   # no-op when finished; otherwise the client went away (or we were cancelled)
 
     return StreamingResponse(gen(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **h.headers})

@@ -3,11 +3,16 @@
 Engine-side numbers (tokens, queue lengths, KV blocks, prefix cache) are sampled on the engine thread
 after every step (`update_from_engine`); per-request numbers (TTFT, latency, finish reasons) are
 recorded by the HTTP handlers (`observe_request`). prometheus-client's metrics are thread-safe.
+
+With data-parallel replicas (server/replica.py) each replica process keeps its own engine-side metrics
+and sends them to the frontend (`engine_families`); the frontend's /metrics shows them once per family
+with a `replica="i"` label (`ReplicaCollector`), next to its own per-request metrics.
 """
 import time
 from collections import deque
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
@@ -15,16 +20,26 @@ _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, registry: CollectorRegistry | None = None, rate_window_s: float = 10.0):
+    def __init__(self, registry: CollectorRegistry | None = None, rate_window_s: float = 10.0, engine: bool = True):
+        """engine=False: only the per-request metrics (a data-parallel frontend, whose engines live in
+        replica processes and come in through `ReplicaCollector`)."""
         r = self.registry = registry or CollectorRegistry()
         p = "sketchkv_"
+        self.requests = Counter(p + "requests", "finished requests by finish reason "
+                                "(stop, length, abort = client went away, error)", ["finish_reason"], registry=r)
+        self.requests_received = Counter(p + "requests_received", "requests handed to the engine", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to first generated token",
+                              buckets=_TIME_BUCKETS, registry=r)
+        self.latency = Histogram(p + "e2e_request_latency_seconds", "request arrival to last token",
+                                 buckets=_TIME_BUCKETS, registry=r)
+        if engine:
+            self._add_engine_metrics(r, p, rate_window_s)
+
+    def _add_engine_metrics(self, r: CollectorRegistry, p: str, rate_window_s: float) -> None:
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens prefilled (counted at first token)",
                                      registry=r)
         self.steps = Counter(p + "engine_steps", "engine steps run", registry=r)
-        self.requests = Counter(p + "requests", "finished requests by finish reason "
-                                "(stop, length, abort = client went away, error)", ["finish_reason"], registry=r)
-        self.requests_received = Counter(p + "requests_received", "requests handed to the engine", registry=r)
         self.generation_tps = Gauge(p + "generation_tokens_per_second",
                                     f"generated tokens per second over the last {rate_window_s:g} s", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "requests waiting for (more) prefill", registry=r)
@@ -53,10 +68,6 @@ class ServerMetrics:
         self.tier_gpu_bytes_used = Gauge(p + "tier_gpu_bytes_used", "host tier: GPU bytes held by live sequences",
                                          registry=r)
         self.engine_alive = Gauge(p + "engine_alive", "1 while the engine thread runs", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to first generated token",
-                              buckets=_TIME_BUCKETS, registry=r)
-        self.latency = Histogram(p + "e2e_request_latency_seconds", "request arrival to last token",
-                                 buckets=_TIME_BUCKETS, registry=r)
         self._last = {"generation_tokens": 0, "prompt_tokens": 0, "steps": 0}
         self._tier_last = {"hits": 0, "misses": 0, "pcie_read_bytes": 0, "pcie_write_bytes": 0}
         self._window = rate_window_s
@@ -112,3 +123,32 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    # ---- data-parallel replicas ----------------------------------------------------------------
+    def engine_families(self) -> list[tuple]:
+        """This registry's engine-side metrics as plain tuples (picklable): [(name, help, type,
+        [(sample name, labels, value)])]; what a replica process sends to the frontend."""
+        own = {"sketchkv_requests", "sketchkv_requests_received", "sketchkv_time_to_first_token_seconds",
+               "sketchkv_e2e_request_latency_seconds", "sketchkv_engine_alive"}
+        return [(m.name, m.documentation, m.type, [(s.name, dict(s.labels), s.value) for s in m.samples])
+                for m in self.registry.collect() if m.name not in own]
+
+
+class ReplicaCollector:
+    """The replicas' engine metrics on the frontend's registry, each sample labelled with its replica;
+    `sketchkv_engine_alive{replica}` comes from the frontend's own view (a crashed replica sends nothing)."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas   # objects with .index, .alive and .metric_families (engine_families())
+
+    def collect(self):
+        alive = GaugeMetricFamily("sketchkv_engine_alive", "1 while the replica's engine runs", labels=["replica"])
+        merged: dict[str, Metric] = {}
+        for rep in self.replicas:
+            alive.add_metric([str(rep.index)], 1.0 if rep.alive else 0.0)
+            for name, doc, typ, samples in rep.metric_families:
+                m = merged.setdefault(name, Metric(name, doc, typ))
+                for sname, labels, value in samples:
+                    m.add_sample(sname, {**labels, "replica": str(rep.index)}, value)
+        yield alive
+        yield from merged.values()
