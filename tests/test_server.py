@@ -404,7 +404,7 @@ def test_dead_engine_thread_gives_503(checkpoint):
     from starlette.testclient import TestClient
 
     from sketchkv.config import build_config
-    from sketchkv.server import create_app
+    from sketchkv.server.app import create_app
     app = create_app(build_config(model=checkpoint, device="cpu", max_model_len=MAX_LEN), api_key="")
     with TestClient(app) as client:
         body = {"model": NAME, "prompt": "hello", "max_tokens": 2}

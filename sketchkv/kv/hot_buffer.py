@@ -164,7 +164,7 @@ class HotBuffer:
             self.map.index_fill_(1, keys, -1)
         else:
             self.map[layer].index_fill_(0, keys, -1)
-        self.map[:, self.dump_key] = -1
+        self.map.narrow(1, self.dump_key, 1).fill_(-1)
 
     # ---- one decode step ---------------------------------------------------------------------------
     def lookup(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
@@ -256,7 +256,8 @@ class HotBuffer:
         cur = self.map[layer, okey].long()
         self.map[layer].index_fill_(0, torch.where((old >= 0) & (cur == r), okey, self.dump_key).flatten(), -1)
         self.map[layer, torch.where(placed.flatten(), keys.flatten(), self.dump_key)] = r.to(torch.int32)
-        self.map[layer, self.dump_key] = -1
+        # narrow().fill_(): `map[layer, i] = -1` copies a CPU scalar into a 0-d view (a sync; illegal in a capture)
+        self.map[layer].narrow(0, self.dump_key, 1).fill_(-1)
         self.key[layer, r] = torch.where(placed.flatten(), keys.flatten(), -1)
         self.ref[layer].index_fill_(0, r.flatten(), 0)
         self.k[layer, r] = src_k.reshape(B * N, self.Hkv, self.D).to(dev, self.dtype)

@@ -1,4 +1,3 @@
-"""OpenAI-compatible HTTP server (`sketchkv serve`)."""
-from sketchkv.server.app import DEFAULT_MAX_REQUEST_BYTES, create_app
-
-__all__ = ["create_app", "DEFAULT_MAX_REQUEST_BYTES"]
+"""OpenAI-compatible HTTP server (`sketchkv serve`): app.py (FastAPI), engine_thread.py, replica.py + router.py
+(data-parallel replicas). Import the modules themselves: this package imports nothing, so the replica and
+router code stay usable where FastAPI is not installed (e.g. `sketchkv bench agents --data-parallel`)."""
