@@ -554,7 +554,8 @@ def test_gpu_step_has_no_host_sync_and_matches_cpu():
                         torch.cuda.set_sync_debug_mode(0)
                 outs.append((rows.cpu(), placed.cpu()))
             assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert torch.equal(hbs[0].k.cpu(), hbs[1].k) and torch.equal(hbs[0].ref.cpu(), hbs[1].ref)
+    # the dump row (last) absorbs masked writes in any order (GPU index_put with duplicates): not state
+    assert torch.equal(hbs[0].k[:, :-1].cpu(), hbs[1].k[:, :-1]) and torch.equal(hbs[0].ref.cpu(), hbs[1].ref)
 
 
 # ---- interpreter child -------------------------------------------------------------------------------
