@@ -171,6 +171,8 @@ def test_plan_splits_host_budget_and_refuses_more_replicas_than_gpus():
         plan_replicas(EngineConfig(device="cuda"), n + 1)
     with pytest.raises(SketchKVError, match="not cuda:1"):
         plan_replicas(EngineConfig(device="cuda:1"), 2)
+    with pytest.raises(SketchKVError, match="--data-parallel with --tensor-parallel"):
+        plan_replicas(EngineConfig(device="cpu", tensor_parallel_size=2), 2)
 
 
 def test_bad_model_is_a_one_line_error(tmp_path):

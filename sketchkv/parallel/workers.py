@@ -94,6 +94,8 @@ def _exit_with_parent() -> None:
 def _worker(cfg, rank: int, port: int, device: torch.device, dtype: torch.dtype) -> None:
     from sketchkv.engine.model_runner import ModelRunner
     from sketchkv.models.loader import load_model
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     _exit_with_parent()
     world = cfg.tensor_parallel_size
     device = rank_device(device, rank)

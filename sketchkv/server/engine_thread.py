@@ -150,6 +150,7 @@ class EngineThread:
             if self.metrics is not None:
                 self.metrics.engine_alive.set(0)
             self._fail_all(EngineDeadError(self._dead_message() if self.error else "the server is shutting down"))
+            self.engine.shutdown()  # tensor-parallel worker processes
 
     def _loop(self) -> None:
         eng = self.engine

@@ -46,6 +46,9 @@ def plan_replicas(cfg: EngineConfig, n: int) -> list[ReplicaPlan]:
     """Replica i on GPU i (of the visible ones); on a CPU, n replicas sharing the cores. The host tier's
     default budget (half the available RAM) is split between the replicas: each holds its own tier."""
     import torch
+    if n > 1 and cfg.tensor_parallel_size > 1:  # replicas are daemon processes: they cannot spawn TP ranks
+        raise SketchKVError("--data-parallel with --tensor-parallel > 1 is not supported yet: run one "
+                            "`sketchkv serve --tensor-parallel N` per group of GPUs instead")
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     gpus: list[str | None] = [None] * n
     if cuda:
