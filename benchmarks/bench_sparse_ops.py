@@ -16,7 +16,7 @@ import triton
 
 sys.path.insert(0, ".")
 from sketchkv.ops.paged_attention import paged_attention_decode  # noqa: E402
-from sketchkv.ops.sketch import quantize_int4, sketch_score, sketch_score_ref  # noqa: E402
+from sketchkv.ops.sketch import quantize_int4, sketch_score, sketch_score_dot, sketch_score_ref  # noqa: E402
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref  # noqa: E402
 from sketchkv.ops.topk import topk, topk_positions, topk_positions_torch, topk_ref  # noqa: E402
 
@@ -87,6 +87,42 @@ def main():
                                                                  max_len, True, "softmax", D ** -0.5)) * 1e6
     # bytes: the sketch read twice + one score per token written
     rows["sketch_score_softmax_bytes"] = 2 * B * L * Hkv * (r // 2 + 2) + B * max_len * 4
+    # tensor-core kernel (sketch_score_dot: tl.dot, fp16 q) on the same inputs, next to the fma kernel above:
+    # differences, top-k set overlap with the fma kernel's picks, and a small (blocks per program, warps) sweep
+    sm_ = D ** -0.5
+
+    def overlap(x, y):  # fraction of x's top-k positions also in y's
+        px, py = topk_positions(x, a.top_k, -1), topk_positions(y, a.top_k, -1)
+        return min(torch.isin(px[b], py[b]).float().mean().item() for b in range(B))
+    s_dot = sketch_score_dot(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len)
+    s_sm_dot = sketch_score_dot(qph, sk, sc, tables, lens, a.sinks, a.recent, max_len, True, "softmax", sm_)
+    rows["dot_inf_pattern_equal_fma"] = bool(torch.equal(torch.isinf(s_dot), torch.isinf(s))
+                                             and torch.equal(torch.isinf(s_sm_dot), torch.isinf(s_sm)))
+    fin_all = torch.isfinite(s)
+    rows["dot_sum_max_abs_diff_vs_fma"] = (s_dot - s)[fin_all].abs().max().item()
+    rows["dot_sum_max_abs_err_vs_ref"] = (s_dot[:1][fin] - s_ref[fin]).abs().max().item()
+    rows["dot_softmax_max_abs_diff_vs_fma"] = (s_sm_dot - s_sm)[fin_all].abs().max().item()
+    rows["dot_softmax_max_abs_err_vs_ref"] = (s_sm_dot[:1][fin] - s_sm_ref[fin]).abs().max().item()
+    rows["dot_sum_topk_overlap_with_fma"] = overlap(s, s_dot)           # min over sequences
+    rows["dot_softmax_topk_overlap_with_fma"] = overlap(s_sm, s_sm_dot)
+    rows["sketch_score_fma_us"] = bench(lambda: sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent,
+                                                             max_len)) * 1e6   # again, next to the dot runs
+    rows["sketch_score_dot_us"] = bench(lambda: sketch_score_dot(qp, sk, sc, tables, lens, a.sinks, a.recent,
+                                                                 max_len)) * 1e6
+    rows["sketch_score_dot_sum_24_heads_us"] = bench(lambda: sketch_score_dot(
+        qph, sk, sc, tables, lens, a.sinks, a.recent, max_len)) * 1e6   # G = 6 summed in-kernel, not pre-summed
+    rows["sketch_score_dot_max_us"] = bench(lambda: sketch_score_dot(
+        qph, sk, sc, tables, lens, a.sinks, a.recent, max_len, True, "max")) * 1e6
+    rows["sketch_score_dot_softmax_us"] = bench(lambda: sketch_score_dot(
+        qph, sk, sc, tables, lens, a.sinks, a.recent, max_len, True, "softmax", sm_)) * 1e6
+    sweep = {}
+    for bpp, nw in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8)):
+        sweep[f"bpp{bpp}_w{nw}"] = dict(
+            sum_us=bench(lambda: sketch_score_dot(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len,
+                                                  bpp=bpp, num_warps=nw)) * 1e6,
+            softmax_us=bench(lambda: sketch_score_dot(qph, sk, sc, tables, lens, a.sinks, a.recent, max_len, True,
+                                                      "softmax", sm_, bpp=bpp, num_warps=nw)) * 1e6)
+    rows["sketch_score_dot_sweep"] = sweep
     t_topk = bench(lambda: topk(s, a.top_k))
     # candidate: plain fp32 torch.topk (is its set identical to the tie-breaking reference?)
     fv, fp_ = torch.topk(s, a.top_k, dim=-1)
@@ -110,6 +146,13 @@ def main():
         i_ = torch.sort(torch.cat([sinks.int(), p_, recent.int()], -1), -1).values
         return sparse_attention(q, kc, vc, tables, i_, counts, D ** -0.5)
     t_step = bench(step)
+
+    def step_dot():  # the same with the tensor-core scoring kernel
+        sc_ = sketch_score_dot(qph, sk, sc, tables, lens, a.sinks, a.recent, max_len, True, "softmax", D ** -0.5)
+        p_ = topk_positions(sc_, a.top_k, 2**31 - 1)
+        i_ = torch.sort(torch.cat([sinks.int(), p_, recent.int()], -1), -1).values
+        return sparse_attention(q, kc, vc, tables, i_, counts, D ** -0.5)
+    rows["select_plus_attention_dot_us"] = bench(step_dot) * 1e6
     rows.update(dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device=torch.cuda.get_device_name(),
         command=" ".join(sys.argv), shape=dict(batch=B, context=L, Hq=Hq, Hkv=Hkv, D=D, rank=r, block=bs,
@@ -131,6 +174,11 @@ def main():
     sm_floor = rows['sketch_score_softmax_bytes'] / bw * 1e6
     print(f"| sketch score, softmax combine ({Hq} query heads) | {rows['sketch_score_softmax_us']:.0f} us | "
           f"{sm_floor:.0f} us | {sm_floor / rows['sketch_score_softmax_us']:.0%} |")
+    for name, key, floor in (("sum, group-summed q", "sketch_score_dot_us", score_bytes / bw * 1e6),
+                             ("sum, 24 query heads", "sketch_score_dot_sum_24_heads_us", score_bytes / bw * 1e6),
+                             ("max, 24 query heads", "sketch_score_dot_max_us", score_bytes / bw * 1e6),
+                             ("softmax, 24 query heads", "sketch_score_dot_softmax_us", sm_floor)):
+        print(f"| sketch score, tensor cores, {name} | {rows[key]:.0f} us | {floor:.0f} us | {floor / rows[key]:.0%} |")
     print(f"| top-k packed keys (x{a.layers} layers: {t_topk*a.layers*1e3:.2f} ms) | {t_topk*1e6:.0f} us | | |")
     print(f"| top-k positions (engine, Triton compaction) | {rows['topk_positions_us']:.0f} us | | same set: "
           f"{rows['topk_positions_equal_reference']} |")
@@ -139,9 +187,22 @@ def main():
     print(f"| sparse attention | {t_attn*1e6:.0f} us | {attn_bytes/bw*1e6:.0f} us | {attn_bytes/bw/t_attn:.0%} |")
     fl = rows["select_plus_attention_floor_us"]
     print(f"| select (softmax combine) + attention | {t_step*1e6:.0f} us | {fl:.0f} us | {fl/1e6/t_step:.0%} |")
+    fl_dot = rows["select_plus_attention_dot_us"]
+    print(f"| select (softmax combine, tensor-core scoring) + attention | {fl_dot:.0f} us | {fl:.0f} us | "
+          f"{fl / fl_dot:.0%} |")
     print(f"| dense paged attention | {t_dense*1e6:.0f} us | {dense_bytes/bw*1e6:.0f} us | {dense_bytes/bw/t_dense:.0%} |")
     print(f"errors: score {rows['sketch_score_max_abs_err']:.2e}, topk==ref {rows['topk_equal_reference']}, "
           f"attn rel {rows['sparse_attention_rel_err']:.2e}")
+    print(f"tensor-core vs fma scoring (same inputs): -inf pattern equal {rows['dot_inf_pattern_equal_fma']}; "
+          f"sum max |diff| {rows['dot_sum_max_abs_diff_vs_fma']:.2e} "
+          f"(vs ref {rows['dot_sum_max_abs_err_vs_ref']:.2e}), "
+          f"top-k overlap {rows['dot_sum_topk_overlap_with_fma']:.4f}; softmax max |diff| "
+          f"{rows['dot_softmax_max_abs_diff_vs_fma']:.2e} (vs ref {rows['dot_softmax_max_abs_err_vs_ref']:.2e}), "
+          f"top-k overlap {rows['dot_softmax_topk_overlap_with_fma']:.4f}; fma sum again "
+          f"{rows['sketch_score_fma_us']:.0f} us")
+    sweep = rows["sketch_score_dot_sweep"]
+    print("dot sweep (blocks per program, warps): " + ", ".join(
+        f"{k} sum {v['sum_us']:.0f} / softmax {v['softmax_us']:.0f} us" for k, v in sweep.items()))
 
 
 if __name__ == "__main__":

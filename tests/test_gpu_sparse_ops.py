@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from sketchkv.ops.sketch import quantize_int4, sketch_score, sketch_score_ref
+from sketchkv.ops.sketch import quantize_int4, sketch_score, sketch_score_dot, sketch_score_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import topk_positions, topk_ref
+from test_sparse import _abs_sketch
 
 pytestmark = pytest.mark.gpu
 
@@ -39,6 +40,38 @@ def test_gpu_sketch_score_250k(shared, combine):
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
     fin = torch.isfinite(ref)
     torch.testing.assert_close(out[fin], ref[fin], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "softmax"), (False, "softmax"),
+                                            (True, "max")])
+def test_gpu_sketch_score_dot_250k(shared, combine):
+    """Tensor-core kernel: fp32-exact up to accumulation order for fp16-representable q; with fresh q
+    within the fp16 rounding bound of q (see test_interp_sketch_score_dot_kernel_matches_reference)."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [250_000 - 977 * b for b in range(B)]
+    tables, nb = _tables(lens, gen)
+    packed, scale = quantize_int4(torch.randn(nb, BS, HKV, R, device="cuda"))
+    q = torch.randn(B, HKV, HQ // HKV, R, device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    max_len = tables.shape[1] * BS
+    geo = (tables, seq_lens, 64, 1024, max_len)
+    qs = [q.half().float(), q] + ([q.sum(2)] if combine == "sum" else [])   # + the engine's group-summed form
+    for i, qq in enumerate(qs):
+        out = sketch_score_dot(qq, packed, scale, *geo, shared, combine, D ** -0.5)
+        ref = sketch_score_ref(qq, packed, scale, *geo, shared, combine, D ** -0.5)
+        assert torch.equal(torch.isinf(out), torch.isinf(ref))
+        fin = torch.isfinite(ref)
+        if i == 0:
+            torch.testing.assert_close(out[fin], ref[fin], rtol=1e-3, atol=1e-3)
+            continue
+        mag = sketch_score_ref(qq.abs(), _abs_sketch(packed), scale, *geo, shared, "sum")
+        if combine == "softmax":
+            all_heads = sketch_score_ref(qq.abs(), _abs_sketch(packed), scale, *geo, True, "sum")
+            mag = (2 * D ** -0.5 * all_heads.nan_to_num(neginf=0.0).amax((1, 2), keepdim=True)).expand_as(ref)
+        err = (out - ref)[fin].abs()
+        assert (err <= 2.0 ** -11 * mag[fin] + 1e-3 * (1 + ref[fin].abs())).all(), err.max()
+    assert torch.equal(sketch_score(q, packed, scale, *geo, shared, combine, D ** -0.5, kernel="dot"),
+                       sketch_score_dot(q, packed, scale, *geo, shared, combine, D ** -0.5))
 
 
 def test_gpu_topk_positions_250k_same_set_as_reference():

@@ -10,7 +10,8 @@ from sketchkv.errors import CheckpointError
 from sketchkv.kv.basis import KeyBasis
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
-from sketchkv.ops.sketch import dequantize_int4, quantize_int4, sketch_score, sketch_score_ref, softmax_combine
+from sketchkv.ops.sketch import (dequantize_int4, quantize_int4, sketch_score, sketch_score_dot, sketch_score_ref,
+                                 softmax_combine)
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import topk, topk_positions, topk_positions_torch, topk_ref
 from conftest import run_interpreter_tests
@@ -128,6 +129,68 @@ def test_interp_sketch_score_kernel_matches_reference(shared, combine):
         assert torch.equal(torch.isinf(out), torch.isinf(ref))
         fin = torch.isfinite(ref)
         torch.testing.assert_close(out[fin], ref[fin], rtol=1e-4, atol=1e-4)
+
+
+def _abs_sketch(packed):
+    """The sketch of |k| in the same packing: scoring |q| with it gives sum_r |k_r q_r|."""
+    lo = ((packed & 15).to(torch.int16) - 8).abs() + 8
+    hi = ((packed >> 4).to(torch.int16) - 8).abs() + 8
+    return (lo | (hi << 4)).to(torch.uint8)
+
+
+@needs_interp
+@pytest.mark.parametrize("combine", ["sum", "max", "softmax"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_interp_sketch_score_dot_kernel_matches_reference(shared, combine):
+    """Tensor-core kernel (fp16 q). With q exactly representable in fp16 it matches the reference to
+    fp32 rounding. With fresh fp32 q, rounding q to fp16 moves each element by <= 2^-11 relative, so a
+    score by <= 2^-11 * sum_r |k_r q_r| (summed over the combined heads: bounds sum and max), and a
+    softmax log-mass by <= 2 * sm_scale * the largest score move (lse moves by at most that, too)."""
+    torch.manual_seed(7)
+    lens, max_len, sm = [1, 37, 200, 64, 129], 205, 0.2   # 205: the last tile's stores are masked
+    for r in (32, 64):
+        packed, scale, tables, seq_lens = _paged_sketch(lens, Hkv=4, r=r, bs=16, seed=r)
+        for G, (sinks, recent) in zip((1, 3, 6), ((4, 16), (0, 0), (20, 3))):
+            q = torch.randn(5, 4, G, r) * 3
+            q = q[:, :, 0] if G == 1 else q                  # G = 1 also as the [B, Hkv, r] group sum
+            geo = (tables, seq_lens, sinks, recent, max_len)
+            for qq in (q.half().float(), q):
+                out = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm)
+                ref = sketch_score_ref(qq, packed, scale, *geo, shared, combine, sm)
+                assert out.shape == ref.shape and torch.equal(torch.isinf(out), torch.isinf(ref))
+                fin = torch.isfinite(ref)
+                err = (out - ref)[fin].abs()
+                slack = 1e-4 * (1 + ref[fin].abs())
+                if qq is not q:
+                    assert (err <= slack).all(), (r, G, err.max())
+                    continue
+                mag = sketch_score_ref(q.abs(), _abs_sketch(packed), scale, *geo, shared, "sum")
+                if combine == "softmax":
+                    all_heads = sketch_score_ref(q.abs(), _abs_sketch(packed), scale, *geo, True, "sum")
+                    row_max = all_heads.nan_to_num(neginf=0.0).amax((1, 2), keepdim=True)
+                    mag = (2 * sm * row_max).expand_as(ref)
+                assert (err <= 2.0 ** -11 * mag[fin] + slack).all(), (r, G, err.max())
+
+
+@needs_interp
+def test_interp_sketch_score_kernel_switch():
+    packed, scale, tables, lens = _paged_sketch([37, 100], Hkv=2, r=32, bs=16, seed=2)
+    qp = torch.randn(2, 2, 3, 32).half().float()
+    args = (packed, scale, tables, lens, 4, 8, 112, True, "softmax", 0.2)
+    assert torch.equal(sketch_score(qp, *args, kernel="dot"), sketch_score_dot(qp, *args))
+    fma = sketch_score(qp, *args)                        # default: the CUDA-core kernel
+    assert torch.equal(sketch_score(qp, *args, kernel="fma"), fma)
+    torch.testing.assert_close(sketch_score(qp, *args, kernel="dot"), fma, rtol=1e-4, atol=1e-4)
+    packed, scale, tables, lens = _paged_sketch([37, 100], Hkv=2, r=16, bs=16, seed=2)
+    q16 = torch.randn(2, 2, 3, 16)                       # r / 2 < 16: too small for tl.dot -> "fma"
+    args = (packed, scale, tables, lens, 4, 8, 112, False, "max")
+    assert torch.equal(sketch_score(q16, *args, kernel="dot"), sketch_score(q16, *args))
+
+
+def test_sketch_score_rejects_unknown_kernel():
+    packed, scale, tables, lens = _paged_sketch([20], Hkv=1, r=32, bs=16)
+    with pytest.raises(ValueError, match="kernel must be"):
+        sketch_score(torch.randn(1, 1, 32), packed, scale, tables, lens, 0, 0, 32, kernel="wgmma")
 
 
 @needs_interp

@@ -1,5 +1,6 @@
 """Key sketches: int4 quantisation of basis-projected keys, and scoring every cached token
-through them. PyTorch reference + Triton kernel + one dispatch.
+through them. PyTorch reference + two Triton kernels (CUDA-core FMAs, the default; tensor cores,
+sketch_score_dot) + one dispatch.
 
 Sketch layout, paged like the KV cache so prefix blocks can be shared:
   sketch [num_blocks, block_size, Hkv, r // 2] uint8 — two signed int4 values per byte
@@ -162,11 +163,145 @@ def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, r
     return softmax_combine(out, Hkv, shared, sm_scale) if mode == 2 else out
 
 
-def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
-                 shared: bool = True, combine: str = "sum", sm_scale: float = 1.0) -> torch.Tensor:
+if triton is not None:
+
+    @triton.jit
+    def _sketch_score_dot_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr,
+                                 sinks, recent, max_len, num_blocks, qk_scale,
+                                 stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
+                                 stride_lb, stride_lp, stride_ob, stride_oh,
+                                 HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
+                                 G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
+        # One program per (sequence, BPP consecutive KV blocks) = TOK token rows. Per KV head h the
+        # scores of its G query heads are a [TOK, R] @ [R, G] matmul on tensor cores, split by nibble:
+        # lo [TOK, R/2] @ q_even [R/2, GP] + hi @ q_odd, G padded to GP >= 16 with zero query columns.
+        # MODE 0: sum over heads, 1: max, 2: softmax pass 1 (log2-sum-exp2 of this program's rows per
+        # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the
+        # per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)). qk_scale = sm_scale * log2(e).
+        b = tl.program_id(0)
+        pid = tl.program_id(1)
+        n = tl.load(lens_ptr + b)
+        TOK: tl.constexpr = BPP * BS
+        H2: tl.constexpr = R // 2
+        rows = tl.arange(0, TOK)
+        t = pid * TOK + rows
+        j = t // BS
+        live = (j * BS < n) & (j < num_blocks)
+        valid = live & (t >= sinks) & (t < n - recent)
+        blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
+        row_sk = sk_ptr + blk * stride_skb + (t % BS) * (HKV * H2)   # a row's bytes: [HKV * R/2], contiguous
+        row_sc = sc_ptr + blk * stride_scb + (t % BS) * HKV
+        k = tl.arange(0, H2)
+        gs = tl.arange(0, GP)
+        gmask = gs < G
+        q_even = qp_ptr + b * stride_qb + gs[None, :] * stride_qg + 2 * k[:, None]   # [R/2, GP]
+        LN2: tl.constexpr = 0.6931471805599453
+        acc = tl.full((TOK,), float("-inf") if MODE == 1 else 0.0, tl.float32)   # SHARED: over KV heads
+        run_m = tl.full((TOK,), float("-inf"), tl.float32)                       # MODE 3 SHARED: online lse
+        run_l = tl.zeros((TOK,), tl.float32)
+        for h in tl.static_range(HKV):
+            packed = tl.load(row_sk[:, None] + h * H2 + k[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            # int4 -> fp16 without int-to-float conversions: 0x6400 | u is the fp16 1024 + u (exact), so
+            # minus 1032 gives u - 8 = v exactly (v in [-7, 7], exact in fp16)
+            lo = ((packed & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            hi = ((packed >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            # q in fp16: relative rounding error <= 2^-11 per element, so a score is off by at most
+            # 2^-11 * sum_r |k_r q_r| (~1e-3 relative) -- far below the int4 sketch's own error, and only
+            # reorders near-ties at the top-k boundary. Products are exact, accumulation is fp32.
+            qe = tl.load(q_even + h * stride_qh, mask=gmask[None, :], other=0.0).to(tl.float16)
+            qo = tl.load(q_even + h * stride_qh + 1, mask=gmask[None, :], other=0.0).to(tl.float16)
+            s = tl.dot(lo, qe, out_dtype=tl.float32)
+            s = tl.dot(hi, qo, s)
+            sc = tl.load(row_sc + h, mask=valid, other=0.0).to(tl.float32)
+            s = s * sc[:, None]                                                  # [TOK, GP]
+            if MODE == 0 or MODE == 1:
+                # padded columns: q = 0 -> s = 0, neutral for the sum; excluded from the max
+                hs = tl.sum(s, axis=1) if MODE == 0 else tl.max(tl.where(gmask[None, :], s, float("-inf")), axis=1)
+                if SHARED:
+                    acc = acc + hs if MODE == 0 else tl.maximum(acc, hs)
+                else:
+                    tl.store(out_ptr + b * stride_ob + h * stride_oh + t, tl.where(valid, hs, float("-inf")),
+                             mask=t < max_len)
+            elif MODE == 2:
+                x = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+                m = tl.max(x, axis=0)
+                m = tl.where(m == float("-inf"), 0.0, m)     # no valid row: l = 0 -> -inf, not nan
+                part = m + tl.log2(tl.sum(tl.exp2(x - m[None, :]), axis=0))
+                tl.store(lse_ptr + b * stride_lb + pid * stride_lp + h * G + gs, part, mask=gmask)
+            else:
+                lse = tl.load(lse_ptr + b * stride_lb + h * G + gs, mask=gmask, other=0.0)
+                y = tl.where(valid[:, None] & gmask[None, :], s * qk_scale - lse[None, :], float("-inf"))
+                if SHARED:  # running log2-sum-exp2 over the KV heads, max-shifted (no underflow to -inf)
+                    m_new = tl.maximum(run_m, tl.max(y, axis=1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    run_l = run_l * tl.exp2(run_m - m_safe) + tl.sum(tl.exp2(y - m_safe[:, None]), axis=1)
+                    run_m = m_new
+                else:
+                    m = tl.max(y, axis=1)
+                    m = tl.where(m == float("-inf"), 0.0, m)
+                    o = (m + tl.log2(tl.sum(tl.exp2(y - m[:, None]), axis=1))) * LN2
+                    tl.store(out_ptr + b * stride_ob + h * stride_oh + t, tl.where(valid, o, float("-inf")),
+                             mask=t < max_len)
+        if SHARED and MODE != 2:
+            if MODE == 3:
+                acc = (run_m + tl.log2(run_l)) * LN2
+            tl.store(out_ptr + b * stride_ob + t, tl.where(valid, acc, float("-inf")), mask=t < max_len)
+
+
+def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
+                     shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 2,
+                     num_warps: int = 4) -> torch.Tensor:
+    """sketch_score on tensor cores (tl.dot, fp16 operands, fp32 accumulation); same meaning as
+    sketch_score_ref up to q's fp16 rounding (see the kernel). Needs r % 32 == 0 (tl.dot: K = r/2 >= 16).
+    softmax: two launches over the sketch (per-program partial log-sum-exp per query head, torch
+    combines them over programs, then the combined score), nothing per query head stored.
+    bpp (blocks per program) and num_warps: not yet measured; offline sm_90 compile at block 64, r 64:
+    bpp 2 / 4 warps ~100 registers (up to 5 programs per SM), bpp 4 / 4 warps ~200 (2 per SM)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    qp = _as_groups(qp).contiguous()
+    B, Hkv, G, r = qp.shape
+    bs = sketch.shape[1]
+    assert r % 32 == 0, "tl.dot needs K = r/2 >= 16 (and a power of two)"
+    assert sketch.stride(1) == Hkv * (r // 2) and sketch.stride(2) == r // 2 and sketch.stride(3) == 1
+    assert scale.stride(1) == Hkv and scale.stride(2) == 1
+    gp = max(16, triton.next_power_of_2(G))
+    nblk = triton.cdiv(max_len, bs)
+    grid = (B, triton.cdiv(nblk, bpp))
+    out = torch.empty(B, 1 if shared else Hkv, max_len, dtype=torch.float32, device=qp.device)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    def launch(mode, lse, stride_lb, stride_lp):
+        _sketch_score_dot_kernel[grid](
+            qp, sketch, scale, block_tables, seq_lens, lse, out, sinks, recent, max_len,
+            min(nblk, block_tables.shape[1]), qk_scale, qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0),
+            scale.stride(0), block_tables.stride(0), stride_lb, stride_lp, out.stride(0), out.stride(1),
+            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, num_warps=num_warps)
+
+    if combine != "softmax":
+        launch(COMBINES.index(combine), out, 0, 0)
+        return out
+    part = torch.empty(B, grid[1], Hkv * G, dtype=torch.float32, device=qp.device)
+    launch(2, part, part.stride(0), part.stride(1))
+    lse = torch.logsumexp(part * 0.6931471805599453, 1) * 1.4426950408889634     # [B, Hq], base 2
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))          # no candidate: stays -inf
+    launch(3, lse.contiguous(), lse.stride(0), 0)
+    return out
+
+
+def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
+                 shared: bool = True, combine: str = "sum", sm_scale: float = 1.0,
+                 kernel: str = "fma") -> torch.Tensor:
+    """kernel: "fma" (CUDA-core dots, the measured default) or "dot" (tensor cores, sketch_score_dot;
+    ranks not a multiple of 32 take "fma": tl.dot needs r/2 >= 16)."""
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    if kernel not in ("fma", "dot"):
+        raise ValueError(f"kernel must be 'fma' or 'dot', got {kernel!r}")
     if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        if kernel == "dot" and qp.shape[-1] % 32 == 0:
+            return sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
+                                    combine, sm_scale)
         return sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                    combine, sm_scale)
     return sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
