@@ -147,11 +147,11 @@ def test_interp_sketch_score_dot_kernel_matches_reference(shared, combine):
     score by <= 2^-11 * sum_r |k_r q_r| (summed over the combined heads: bounds sum and max), and a
     softmax log-mass by <= 2 * sm_scale * the largest score move (lse moves by at most that, too)."""
     torch.manual_seed(7)
-    lens, max_len, sm = [1, 37, 200, 64, 129], 205, 0.2   # 205: the last tile's stores are masked
+    lens, max_len, sm = [1, 37, 129], 141, 0.2   # 141: the last tile's stores are masked
     for r in (32, 64):
         packed, scale, tables, seq_lens = _paged_sketch(lens, Hkv=4, r=r, bs=16, seed=r)
         for G, (sinks, recent) in zip((1, 3, 6), ((4, 16), (0, 0), (20, 3))):
-            q = torch.randn(5, 4, G, r) * 3
+            q = torch.randn(3, 4, G, r) * 3
             q = q[:, :, 0] if G == 1 else q                  # G = 1 also as the [B, Hkv, r] group sum
             geo = (tables, seq_lens, sinks, recent, max_len)
             for qq in (q.half().float(), q):
