@@ -226,6 +226,7 @@ class ModelRunner:
         """(host blocks, hot-pool rows) from the tier's budgets (sketchkv.kv.host_tier)."""
         from sketchkv.kv.host_store import HostKVStore
         from sketchkv.kv.host_tier import HostTier, default_host_budget, hot_row_bytes
+        from sketchkv.kv.hot_buffer import MAX_INT16_ROWS
         c, sp, sc = self.model_cfg, self.cfg.sparse, self.cfg.scheduler
         L = len(self.tier_layers)
         host_per_block = HostKVStore.bytes_per_token(L, c.num_kv_heads, c.head_dim, sp.host_format) * self.block_size
@@ -254,7 +255,13 @@ class ModelRunner:
         per_seq = max(64, math.ceil(sp.hot_fraction * self.max_model_len))  # the largest partition
         if budget is None:  # CPU: enough for every sequence at full length
             budget = fixed + sc.max_num_seqs * per_seq * row
-        pool = min((budget - fixed) // row, sc.max_num_seqs * per_seq)  # more rows could never be used
+        # `fixed` charges the hot slot map at 4 B per slot; a pool of at most MAX_INT16_ROWS rows gets the
+        # int16 map (2 B) and may use the difference
+        int16_saving = 2 * L * (num_blocks * self.block_size + 1)
+        pool = (budget - fixed + int16_saving) // row
+        if pool > MAX_INT16_ROWS:
+            pool = max(MAX_INT16_ROWS, (budget - fixed) // row)
+        pool = min(pool, sc.max_num_seqs * per_seq)  # more rows could never be used
         if pool < 1:
             raise CapacityError(f"GPU budget {budget / 2**30:.3f} GiB is below the host tier's fixed part "
                                 f"{fixed / 2**30:.3f} GiB (sketches of {num_blocks} host blocks, sinks + recent rows "

@@ -44,6 +44,8 @@ import torch
 from sketchkv.errors import CapacityError
 from sketchkv.kv.host_store import TierCounters, TierStats
 
+MAX_INT16_ROWS = torch.iinfo(torch.int16).max  # pools up to this many rows map host slots in 2 B
+
 
 class HotBuffer:
     def __init__(self, num_layers: int, num_host_slots: int, capacity_rows: int, num_kv_heads: int,
@@ -61,7 +63,7 @@ class HotBuffer:
         self.k = torch.zeros(L, P + 1, num_kv_heads, head_dim, dtype=dtype, device=dev)
         self.v = torch.zeros_like(self.k)
         # 2 B per host slot while pool rows fit int16 (the seed's "2-byte slot"), else 4 B
-        map_dtype = torch.int16 if P <= torch.iinfo(torch.int16).max else torch.int32
+        map_dtype = torch.int16 if P <= MAX_INT16_ROWS else torch.int32
         self.map = torch.full((L, num_host_slots + 1), -1, dtype=map_dtype, device=dev)  # [.., S]: dump
         self.key = torch.full((L, P + 1), -1, dtype=torch.int64, device=dev)
         self.ref = torch.zeros(L, P + 1, dtype=torch.uint8, device=dev)
