@@ -130,8 +130,9 @@ def main():
     args = p.parse_args()
     device = {}
     if args.smoke:
-        args.model, args.contexts, args.prefill_context, args.prefill_chunk = \
-            "random:tiny-qwen4-exp", ["256", "1K", "2K"], "1K", 256
+        if args.contexts == p.get_default("contexts"):
+            args.contexts = ["256", "1K", "2K"]
+        args.model, args.prefill_context, args.prefill_chunk = "random:tiny-qwen4-exp", "1K", 256
         args.decode_tokens, args.warmup, args.sinks, args.recent = 4, 1, 16, 64
         device = dict(device="cpu", dtype="float32")
     contexts = [parse_tokens(c) for c in args.contexts]
@@ -144,6 +145,10 @@ def main():
               max_model_len=max_len, max_num_batched_tokens=args.prefill_chunk, enable_prefix_caching=False, **device)
     load_s = time.perf_counter() - t0
     r, c = llm.engine.runner, llm.engine.model_config
+    # the engine caps max_model_len at max_position_embeddings (1M = 2^20 for qwen4-exp-h200): a point at the
+    # cap runs at the largest context that leaves room for its decode steps (the JSON has the exact number)
+    limit = llm.engine.cfg.scheduler.max_model_len - extra
+    contexts, prefill_L = [min(L, limit) for L in contexts], min(prefill_L, limit)
     qsa = r.qsa_layers[0]
     gen = torch.Generator(device=llm.engine.device).manual_seed(args.seed)
     points = [decode_point(llm, L, args, gen) for L in contexts]
