@@ -4,7 +4,7 @@
 #   bash benchmarks/h200_session.sh SECONDS [TEST_FILES...]
 #   ENGINE_ARGS="..." overrides the engine benchmark's arguments; STAGES="tests sparse host mtp engine" picks
 #   stages (mtp: MTP accepted length, benchmarks/bench_mtp.py with MTP_ARGS; agents: `sketchkv bench agents`,
-#   issue 8, the runs named in AGENTS_RUNS, see the stage below).
+#   issue 8, the runs named in AGENTS_RUNS, see the stage below; qsa: issue 10, benchmarks/bench_qsa_tier.py).
 # Everything lands in $OUT (logs + JSON), to be copied into benchmarks/results/ afterwards.
 set -u
 BUDGET=${1:-540}; shift || true
@@ -70,5 +70,13 @@ case " $STAGES " in *" agents "*)
     timeout $(( $(left) - 10 )) python3 -m sketchkv bench agents $A --out-dir "$OUT" --name "agents-$run" 2>&1 \
       | tee "$OUT/agents-$run.log" | tail -25
   done;;
+esac
+case " $STAGES " in *" qsa "*)
+  # Issue 10 on one H200: random:qwen4-exp-h200 (12 QSA layers of 2 x 256, 14.7B params, 27.3 GiB bf16) over the
+  # host tier (bf16 rows), decode tok/s at 8K..1M (random fill of all but 64 tokens), PCIe bytes per step, a real
+  # 128K prefill. QSA_ARGS overrides (e.g. --prefill-context 0 to skip the prefill).
+  #   STAGES=qsa bash benchmarks/h200_session.sh 590
+  timeout $(( $(left) - 10 )) python3 benchmarks/bench_qsa_tier.py ${QSA_ARGS:-} --out "$OUT/qsa-tier-h200.json" 2>&1 \
+    | tee "$OUT/qsa-tier-h200.log" | tail -15;;
 esac
 echo "session done after $(( $(date +%s) - START )) s"

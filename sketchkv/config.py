@@ -39,7 +39,7 @@ class SparseConfig:
     shared_selection: bool = field(default=True, metadata={"help": "one pick per layer shared by all KV heads (else per KV head)"})
     head_combine: str = field(default="sum", metadata={"help": "how the query heads' sketch scores combine into one pick: sum (the seed's sum of raw scores; one dot per KV head) | softmax (sum of per-head softmax probabilities, i.e. estimated attention mass: better picks with a weak basis, ~10x the scoring cost today) | max"})
     basis: str | None = field(default=None, metadata={"help": "key basis file (default: MODEL/key_basis.safetensors)"})
-    host_tier: bool = field(default=False, metadata={"help": "full-attention K/V live in host RAM; the GPU keeps sketch, sinks, recent tail and a hot buffer (needs sparse)"})
+    host_tier: bool = field(default=False, metadata={"help": "full-attention K/V live in host RAM; the GPU keeps the selector's state (sketch, or on qwen4_exp the QSA block keys), sinks, recent tail and a hot buffer (needs sparse, except on qwen4_exp: its QSA indexer selects)"})
     host_format: str = field(default="int4", metadata={"help": "host rows: int4 | int8 | bf16"})
     hot_fraction: float = field(default=0.025, metadata={"help": "GPU hot-buffer rows per sequence, as a fraction of its tokens"})
     host_budget_gb: float | None = field(default=None, metadata={"help": "host RAM for the tier (default: half of the available RAM)"})

@@ -52,6 +52,11 @@ class LLM:
         by the tier). per_sequence=True: {request_id: TierStats(host_bytes, gpu_bytes)} of live sequences."""
         return self.engine.tier_sequence_stats() if per_sequence else self.engine.tier_stats()
 
+    def qsa_memory(self) -> dict:
+        """qwen4_exp: GPU bytes per cached token per QSA layer (block keys, GPU K/V, hot slot map; with the
+        host tier the K/V are in host RAM) and per-sequence state, measured (ModelRunner.qsa_memory)."""
+        return self.engine.runner.qsa_memory()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (also done at interpreter exit)."""
         self.engine.shutdown()

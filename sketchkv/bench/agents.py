@@ -252,9 +252,19 @@ def fill_random(eng, seq, filled: int, gen) -> None:
                 packed, scale = m.sketch_keys(k)
                 m.sketch.view(-1, c.num_kv_heads, m.rank // 2).index_copy_(0, slots, packed)
                 m.sketch_scale.view(-1, c.num_kv_heads).index_copy_(0, slots, scale)
+    for m in r.qsa_layers:  # qwen4_exp: random (unit-scale, like RMSNormed) block keys for the filled blocks;
+        # `filled` is a multiple of the block size, hence of the compress ratio: the raw index tail stays empty
+        first = torch.arange(0, filled, m.ratio, device=dev)
+        rows = m.key_rows(table[None].int(), first[None])[0]
+        keys = torch.randn(len(first), m.index_dim, device=dev, generator=gen).to(m.index_keys.dtype)
+        m.index_keys.index_copy_(0, rows, keys)
     for m in r.gdn_layers:
         m.conv_state[seq.state_slot].normal_(0, 0.1, generator=gen)
         m.ssm_state[seq.state_slot].normal_(0, 0.01, generator=gen)
+    if r.state_layers:  # other per-sequence state (qwen4_exp PLE n-gram context): start empty
+        slot = torch.tensor([seq.state_slot], device=dev)
+        for m in r.state_layers:
+            m.reset_state(slot)
     seq.num_cached = filled
     if r.tier is not None:
         r.tier.store.synchronize()

@@ -16,7 +16,7 @@ from sketchkv.layers.mlp import SparseMoE
 from sketchkv.layers.sampler import SampleOutput, sample
 from sketchkv.kv.state_cache import StateCache
 from sketchkv.layers.sparse_attention import SparseAttention
-from sketchkv.layers.tiered_attention import TieredAttention
+from sketchkv.layers.tiered_attention import TieredAttention, TieredIndexedAttention, TieredKV
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.parallel.comm import agree_min
 
@@ -32,21 +32,25 @@ class ModelRunner:
         sp = cfg.sparse
         self.dense_threshold = sp.dense_threshold if sp.dense_threshold is not None else \
             sp.sink_tokens + sp.top_k + sp.recent_tokens
-        if sp.host_tier and not sp.sparse:
+        # qwen4_exp: the model's QSA indexer is the selector, so the host tier needs no sketch (sparse=False)
+        qsa = any(isinstance(m, IndexedAttention) for m in model.modules())
+        if sp.host_tier and not sp.sparse and not qsa:
             raise RequestError("sparse_host_tier needs sparse decode (sparse=True): the tier serves the sparse picks")
         if sp.head_combine not in ("sum", "max", "softmax"):
             raise RequestError(f"sparse_head_combine must be sum, max or softmax, got {sp.head_combine!r}")
-        if sp.host_tier and not sp.shared_selection:
+        if sp.host_tier and not sp.shared_selection and not qsa:
             raise RequestError("sparse_host_tier needs sparse_shared_selection=True (one pick per token for all KV heads)")
         if sp.host_tier and cfg.num_speculative_tokens:
             raise RequestError("sparse_host_tier with num_speculative_tokens > 0 is not supported yet (several decode "
                                "rows of one sequence in a tiered step)")
-        qsa = any(isinstance(m, IndexedAttention) for m in model.modules())
         if qsa and (sp.sparse or cfg.num_speculative_tokens):
-            raise RequestError("qwen4_exp layers select with their own QSA indexer: sketch sparse decode, the host "
-                               "tier and speculative decoding are not supported with them yet")
+            raise RequestError("qwen4_exp layers select with their own QSA indexer: sketch sparse decode (sparse=True) "
+                               "and speculative decoding are not supported with them; the host tier needs only "
+                               "sparse_host_tier=True")
         if sp.sparse:
             self._install_sparse_attention()
+        if qsa and sp.host_tier:
+            self._install_qsa_tier()
         if cfg.tensor_parallel_size > 1:  # after the sparse install, which checks the basis against the whole model
             import torch.distributed as dist
             from sketchkv.parallel.tensor_parallel import shard_model
@@ -54,7 +58,7 @@ class ModelRunner:
         # MTP layers get caches only when speculative decoding is on.
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
-        self.tier_layers = [m for m in self.attn_layers if isinstance(m, TieredAttention)]
+        self.tier_layers = [m for m in self.attn_layers if isinstance(m, TieredKV)]
         self.qsa_layers = [m for m in self.attn_layers if isinstance(m, IndexedAttention)]
         for m in self.qsa_layers:
             if self.block_size % m.ratio:
@@ -106,6 +110,13 @@ class ModelRunner:
             if sp.host_tier:
                 owner.attn = TieredAttention(owner.attn, j)
 
+    def _install_qsa_tier(self) -> None:
+        """qwen4_exp: each indexed_attention layer keeps its QSA indexer as the selector and moves its
+        main K/V to the host tier (tier layers numbered in model order)."""
+        owners = [m for m in self.model.modules() if isinstance(getattr(m, "attn", None), IndexedAttention)]
+        for j, owner in enumerate(owners):
+            owner.attn = TieredIndexedAttention(owner.attn, j)
+
     # ---- memory -------------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
@@ -114,8 +125,7 @@ class ModelRunner:
         c = self.model_cfg
         layers = len(self.attn_layers) - len(self.tier_layers) + len(self.mtp_attn_layers)  # MTP KV: same blocks
         kv = 2 * layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return kv + self.sketch_bytes_per_block + 4 * len(self.tier_layers) * self.block_size \
-            + len(self.qsa_layers) * self.qsa_index_bytes_per_token * self.block_size
+        return kv + self.selector_bytes_per_block + 4 * len(self.tier_layers) * self.block_size
 
     @property
     def qsa_index_bytes_per_token(self) -> int:
@@ -125,16 +135,32 @@ class ModelRunner:
         return m.index_dim * self.dtype.itemsize // m.ratio if m else 0
 
     def qsa_memory(self) -> dict:
-        """Measured from the allocated buffers: GPU bytes per cached token per QSA layer (block keys, and
-        with the main K/V), and the per-sequence tail state. {} without QSA layers."""
+        """Measured from the allocated buffers, {} without QSA layers. Per cached token and QSA layer: GPU
+        bytes of the block keys, of main K/V kept on the GPU (0 with the host tier), of the hot buffer's
+        slot map, and their sum (`gpu_bytes_per_token`: the seed's 64 + 2 = 66 B at D = 128, c = 4, bf16,
+        with the tier). Per sequence and layer (state): the raw index tail and, with the tier, the resident
+        rows (sinks + recent ring). The hot pool is a cache sized by sparse_hot_fraction, reported apart."""
         if not self.qsa_layers:
             return {}
         m, tokens = self.qsa_layers[0], self.num_blocks * self.block_size
         index = (m.index_keys.numel() - m.index_keys.shape[-1]) * m.index_keys.element_size() / tokens  # minus dump row
         kv = (m.k_cache.numel() + m.v_cache.numel()) * m.k_cache.element_size() / tokens
         tail = m.index_tail[0].numel() * m.index_tail.element_size()
-        return {"index_bytes_per_token": index, "kv_bytes_per_token": kv, "tail_state_bytes_per_seq": tail,
-                "layers": len(self.qsa_layers)}
+        out = {"index_bytes_per_token": index, "kv_bytes_per_token": kv, "slot_map_bytes_per_token": 0.0,
+               "tail_state_bytes_per_seq": tail, "resident_state_bytes_per_seq": 0, "hot_pool_bytes": 0,
+               "layers": len(self.qsa_layers)}
+        if self.tier is not None:
+            hot, t = self.tier.hot, self.tier
+            out["slot_map_bytes_per_token"] = (hot.map.shape[1] - 1) * hot.map.element_size() / tokens  # minus dump
+            out["resident_state_bytes_per_seq"] = t.width * t.resident_row_bytes // t.L
+            out["hot_pool_bytes"] = hot.P * hot.row_bytes // t.L
+        out["gpu_bytes_per_token"] = index + kv + out["slot_map_bytes_per_token"]
+        return out
+
+    @property
+    def selector_bytes_per_block(self) -> int:
+        """GPU bytes per block of the selectors' state: int4 sketches (sparse layers), QSA block keys."""
+        return self.sketch_bytes_per_block + len(self.qsa_layers) * self.qsa_index_bytes_per_token * self.block_size
 
     @property
     def sketch_bytes_per_block(self) -> int:
@@ -183,7 +209,7 @@ class ModelRunner:
                                  fmt=sp.host_format, sinks=sp.sink_tokens, recent=sp.recent_tokens,
                                  hot_fraction=sp.hot_fraction, num_state_slots=self.num_state_slots,
                                  max_model_len=self.max_model_len, pool_rows=pool_rows, dtype=self.dtype,
-                                 device=self.device, sketch_bytes_per_block=self.sketch_bytes_per_block)
+                                 device=self.device, selector_bytes_per_block=self.selector_bytes_per_block)
             for m in self.tier_layers:
                 m.tier = self.tier
         for m in self.qsa_layers:  # block keys, paged like the KV; one extra (dump) row
@@ -200,6 +226,7 @@ class ModelRunner:
         """(host blocks, hot-pool rows) from the tier's budgets (sketchkv.kv.host_tier)."""
         from sketchkv.kv.host_store import HostKVStore
         from sketchkv.kv.host_tier import HostTier, default_host_budget, hot_row_bytes
+        from sketchkv.kv.hot_buffer import MAX_INT16_ROWS
         c, sp, sc = self.model_cfg, self.cfg.sparse, self.cfg.scheduler
         L = len(self.tier_layers)
         host_per_block = HostKVStore.bytes_per_token(L, c.num_kv_heads, c.head_dim, sp.host_format) * self.block_size
@@ -212,7 +239,7 @@ class ModelRunner:
         row = hot_row_bytes(L, c.num_kv_heads, c.head_dim, self.dtype)
         fixed = HostTier.fixed_gpu_bytes(L, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype,
                                          sp.sink_tokens, sp.recent_tokens, self.num_state_slots) \
-            + num_blocks * self.sketch_bytes_per_block
+            + num_blocks * self.selector_bytes_per_block
         budget = None
         if sp.gpu_budget_gb is not None:
             budget = int(sp.gpu_budget_gb * 2**30)
@@ -228,7 +255,13 @@ class ModelRunner:
         per_seq = max(64, math.ceil(sp.hot_fraction * self.max_model_len))  # the largest partition
         if budget is None:  # CPU: enough for every sequence at full length
             budget = fixed + sc.max_num_seqs * per_seq * row
-        pool = min((budget - fixed) // row, sc.max_num_seqs * per_seq)  # more rows could never be used
+        # `fixed` charges the hot slot map at 4 B per slot; a pool of at most MAX_INT16_ROWS rows gets the
+        # int16 map (2 B) and may use the difference
+        int16_saving = 2 * L * (num_blocks * self.block_size + 1)
+        pool = (budget - fixed + int16_saving) // row
+        if pool > MAX_INT16_ROWS:
+            pool = max(MAX_INT16_ROWS, (budget - fixed) // row)
+        pool = min(pool, sc.max_num_seqs * per_seq)  # more rows could never be used
         if pool < 1:
             raise CapacityError(f"GPU budget {budget / 2**30:.3f} GiB is below the host tier's fixed part "
                                 f"{fixed / 2**30:.3f} GiB (sketches of {num_blocks} host blocks, sinks + recent rows "
@@ -241,6 +274,8 @@ class ModelRunner:
         temporaries: ~3 copies of [B, S + k + R, Hkv, D] for K and V)."""
         sp, c = self.cfg.sparse, self.model_cfg
         n = sp.sink_tokens + sp.top_k + sp.recent_tokens
+        if self.qsa_layers:  # QSA: at most budget + c - 1 positions per step
+            n = self.qsa_layers[0].budget + self.qsa_layers[0].ratio - 1
         return 6 * self.cfg.scheduler.max_num_seqs * n * c.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def _blocks_from_budget(self) -> int:

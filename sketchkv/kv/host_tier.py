@@ -1,9 +1,11 @@
 """The host tier as the engine runs it: full-attention K/V in host RAM, the GPU keeps what a step needs.
 
-Owns, for the tiered layers (every full-attention layer, numbered 0..L-1 in model order):
+Owns, for the tiered layers (every full-attention layer, numbered 0..L-1 in model order; sketch-selected
+(TieredAttention) or, on qwen4_exp, QSA-selected indexed_attention layers (TieredIndexedAttention)):
   store     HostKVStore: every token's K/V, quantised (int4 | int8 | bf16), in pinned host RAM,
             at the paged slot (block * block_size + offset). The block manager's blocks *are* host
-            blocks: the GPU holds no paged K/V for these layers, only the int4 key sketch per block.
+            blocks: the GPU holds no paged K/V for these layers, only the selector's state per block
+            (int4 key sketch, or QSA pooled block keys).
   resident  per GDN/state slot, the sink rows and a ring of the recent rows, in the model dtype:
             res_k / res_v [L, num_state_slots * (S + R) + 1, Hkv, D] (the last row absorbs masked
             writes). Token p of the sequence in state slot s lives at row s*(S+R) + p (p < S) or
@@ -24,8 +26,8 @@ starts from a shared prefix gets its sinks and recent ring filled from the host 
 rows per layer: no bulk copy; follow-up turns move only picked rows).
 
 Budgets: host_budget_gb sizes the store (hence the number of KV blocks); gpu_budget_gb covers the
-sketches of all host blocks, the slot map, the resident rows of every state slot and the hot pool,
-which gets the rest. A request whose prompt cannot fit (host blocks, or its minimum hot partition)
+selector state (sketches | QSA block keys) of all host blocks, the slot map, the resident rows of
+every state slot and the hot pool, which gets the rest. A request whose prompt cannot fit (host blocks, or its minimum hot partition)
 is refused at add_request (CapacityError); one that fits but finds no free hot rows waits.
 """
 import math
@@ -61,7 +63,7 @@ class HostTier:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  fmt: str, sinks: int, recent: int, hot_fraction: float, num_state_slots: int,
                  max_model_len: int, pool_rows: int, dtype: torch.dtype, device: torch.device,
-                 sketch_bytes_per_block: int = 0):
+                 selector_bytes_per_block: int = 0):
         self.L, self.block_size, self.Hkv, self.D, self.dtype = num_layers, block_size, num_kv_heads, head_dim, dtype
         self.sinks, self.recent = sinks, max(recent, 1)
         self.width = sinks + self.recent                # resident rows per state slot
@@ -76,14 +78,15 @@ class HostTier:
                              fraction=hot_fraction, min_rows=min(64, pool_rows), max_seqs=num_state_slots + 1)
         self.pad_pid = self.hot.add_sequence(rows=0)    # CUDA-graph padding rows: an empty partition
         self.max_part_rows = max(1, min(pool_rows, self.hot.rows_for(max_model_len)))
-        self.sketch_bytes_per_block = sketch_bytes_per_block
+        self.selector_bytes_per_block = selector_bytes_per_block  # the layers' selector state (sketch | QSA keys)
         self._unfilled: set[int] = set()                # sequences whose resident rows are not set up yet
 
     # ---- sizes ------------------------------------------------------------------------------------
     @staticmethod
     def fixed_gpu_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, sinks, recent,
                         num_state_slots) -> int:
-        """GPU bytes besides the hot pool and the sketches: resident rows + the hot slot map."""
+        """GPU bytes besides the hot pool and the selector state: resident rows + the hot slot map (sized
+        at 4 B per slot; the map is int16, 2 B, when the pool ends up with at most 32767 rows)."""
         res = num_layers * (num_state_slots * (sinks + max(recent, 1)) + 1) * 2 * num_kv_heads * head_dim * dtype.itemsize
         return res + num_layers * (num_blocks * block_size + 1) * 4
 
@@ -94,7 +97,7 @@ class HostTier:
     @property
     def gpu_bytes(self) -> int:
         res = (self.res_k.numel() + self.res_v.numel()) * self.res_k.element_size()
-        return res + self.hot.gpu_bytes + self.store.num_blocks * self.sketch_bytes_per_block
+        return res + self.hot.gpu_bytes + self.store.num_blocks * self.selector_bytes_per_block
 
     # ---- per sequence (scheduling time, host side) ----------------------------------------------------
     def target_tokens(self, seq) -> int:
@@ -218,11 +221,12 @@ class HostTier:
 
     def seq_stats(self, seq) -> TierStats:
         """Memory one sequence holds: host rows of its blocks (shared prefix blocks counted in full),
-        and on the GPU its resident rows, hot partition, sketches and slot-map entries."""
+        and on the GPU its resident rows, hot partition, selector state (sketches | QSA block keys) and
+        slot-map entries."""
         blocks = len(seq.block_table)
         part = self.hot._parts.get(seq.tier_pid, (0, 0))[1] if seq.tier_pid >= 0 else 0
         gpu = (self.width * self.resident_row_bytes + part * self.hot.row_bytes
-               + blocks * (self.sketch_bytes_per_block + self.L * self.block_size * 4))
+               + blocks * (self.selector_bytes_per_block + self.L * self.block_size * self.hot.map.element_size()))
         return TierStats(host_bytes=blocks * self.store.bytes_per_block, gpu_bytes=gpu)
 
     def __repr__(self) -> str:

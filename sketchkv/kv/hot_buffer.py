@@ -7,8 +7,9 @@ the HostKVStore / GPU-cache slot): `map[layer, slot]` -> pool row or -1, so one 
 table serves the whole batch and prefix-shared blocks are found by every sequence that shares them
 (a hit may land in another sequence's partition; rows are only *placed* into one's own).
 
-GPU memory: the pool rows (2 x Hkv x D x dtype per layer and row), plus the map, 4 B per layer and
-host slot (64 B per host token for 16 layers: ~16 MB per 250K-token agent).
+GPU memory: the pool rows (2 x Hkv x D x dtype per layer and row), plus the map, 2 B per layer and
+host slot while the pool has at most 32767 rows (int16), else 4 B (64 B per host token for 16 layers:
+~16 MB per 250K-token agent).
 
 Per layer and pool row: `key` (host slot or -1) and a reference bit; per layer and partition: a
 clock `hand` and `used` (rows filled so far; a partition fills in row order before it evicts).
@@ -43,6 +44,8 @@ import torch
 from sketchkv.errors import CapacityError
 from sketchkv.kv.host_store import TierCounters, TierStats
 
+MAX_INT16_ROWS = torch.iinfo(torch.int16).max  # pools up to this many rows map host slots in 2 B
+
 
 class HotBuffer:
     def __init__(self, num_layers: int, num_host_slots: int, capacity_rows: int, num_kv_heads: int,
@@ -59,7 +62,9 @@ class HotBuffer:
         dev, L, P = self.device, num_layers, capacity_rows
         self.k = torch.zeros(L, P + 1, num_kv_heads, head_dim, dtype=dtype, device=dev)
         self.v = torch.zeros_like(self.k)
-        self.map = torch.full((L, num_host_slots + 1), -1, dtype=torch.int32, device=dev)  # [.., S]: dump
+        # 2 B per host slot while pool rows fit int16 (the seed's "2-byte slot"), else 4 B
+        map_dtype = torch.int16 if P <= MAX_INT16_ROWS else torch.int32
+        self.map = torch.full((L, num_host_slots + 1), -1, dtype=map_dtype, device=dev)  # [.., S]: dump
         self.key = torch.full((L, P + 1), -1, dtype=torch.int64, device=dev)
         self.ref = torch.zeros(L, P + 1, dtype=torch.uint8, device=dev)
         # partitions (host-side mirror for allocation; device copies for the step)
@@ -255,7 +260,7 @@ class HotBuffer:
         okey = torch.where(old >= 0, old, self.dump_key)
         cur = self.map[layer, okey].long()
         self.map[layer].index_fill_(0, torch.where((old >= 0) & (cur == r), okey, self.dump_key).flatten(), -1)
-        self.map[layer, torch.where(placed.flatten(), keys.flatten(), self.dump_key)] = r.to(torch.int32)
+        self.map[layer, torch.where(placed.flatten(), keys.flatten(), self.dump_key)] = r.to(self.map.dtype)
         # narrow().fill_(): `map[layer, i] = -1` copies a CPU scalar into a 0-d view (a sync; illegal in a capture)
         self.map[layer].narrow(0, self.dump_key, 1).fill_(-1)
         self.key[layer, r] = torch.where(placed.flatten(), keys.flatten(), -1)

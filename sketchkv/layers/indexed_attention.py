@@ -1,7 +1,8 @@
 """QSA attention core (qwen4_exp `indexed_attention` layers): the model's own indexer picks the tokens.
 
 Same interface as `Attention` plus the step's index queries / raw index keys. Memory per layer:
-  - main K/V: paged like `Attention` (the host tier is the next step; see DESIGN.md),
+  - main K/V: paged like `Attention`; with sparse_host_tier=True in host RAM instead
+    (`TieredIndexedAttention`, sketchkv/layers/tiered_attention.py: this selector + the tier's gather),
   - `index_keys`: the block keys (pooled, normed, RoPE'd), paged like the KV cache: block_size / c
     rows of D per KV block, written once when a block of c tokens completes (plus one dump row),
   - `index_tail`: per state slot, the raw index keys of the incomplete block (< c rows of D).

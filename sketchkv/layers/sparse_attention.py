@@ -56,6 +56,10 @@ class SparseAttention(Attention):
         self.last_indices = (idx, counts)
         return sparse_attention(q, self.k_cache, self.v_cache, block_tables, idx, counts, self.scale)
 
+    def selection_query(self, q: torch.Tensor) -> torch.Tensor:
+        """The query the selector scores with (the selector interface; QSA layers use their index queries)."""
+        return q
+
     def select(self, q, block_tables, seq_lens, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> token positions [B, Hsel, S + k + R] sorted ascending (SENTINEL-padded) and counts [B]."""
         c = self.cfg

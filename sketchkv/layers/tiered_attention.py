@@ -1,14 +1,21 @@
-"""Sparse decode over the host tier: the same interface as `Attention`, with the K/V in host RAM.
+"""Decode over the host tier: the same interface as `Attention`, with the K/V in host RAM.
 
-What the layer keeps on the GPU is the int4 key sketch (paged like before); K/V rows go to the
-host tier (sketchkv.kv.host_tier): every forward writes its new rows there (quantised on the
-device, written asynchronously into pinned memory) and into the sequence's sinks / recent ring.
+`TieredKV` is the tier half of a layer, mixed into a layer that owns a selector (`select` +
+`selection_query`: token positions + counts, SENTINEL-padded, shared by all KV heads):
+  - `TieredAttention`        = TieredKV + SparseAttention  (int4 key sketch + top-k, sinks, recent),
+  - `TieredIndexedAttention` = TieredKV + IndexedAttention (qwen4_exp: the model's own QSA indexer).
+The tier, prefix caching, the scheduler and the server see the same layer either way.
 
-Decode (every step, any context length: with k >= context the picks are every token, so this is
-also the dense path): select (sketch scores + top-k, as SparseAttention) -> tier.gather (sinks and
-tail from the resident rows, picks from the hot buffer or, on a miss, straight from pinned host
-memory) into a compact K/V scratch -> the paged decode kernel over that scratch -> admit the misses
-to the hot buffer. Fixed shapes and no host sync: CUDA-graph capturable.
+What the layer keeps on the GPU is its selector's state (the sketch, or QSA block keys + raw index
+tail); K/V rows go to the host tier (sketchkv.kv.host_tier): every forward writes its new rows there
+(quantised on the device, written asynchronously into pinned memory) and into the sequence's sinks /
+recent ring.
+
+Decode (every step, any context length: when the selection covers the context the picks are every
+token, so this is also the dense path): select -> tier.gather (sinks and tail from the resident
+rows, picks from the hot buffer or, on a miss, straight from pinned host memory) into a compact K/V
+scratch -> the paged decode kernel over that scratch -> admit the misses to the hot buffer. Fixed
+shapes and no host sync: CUDA-graph capturable.
 
 Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier.
 """
@@ -16,15 +23,15 @@ import torch
 
 from sketchkv.engine.context import get_context
 from sketchkv.kv.host_tier import ATTN_BLOCK
+from sketchkv.layers.indexed_attention import IndexedAttention
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops.paged_attention import paged_attention_decode
 
 
-class TieredAttention(SparseAttention):
-    def __init__(self, sparse: SparseAttention, layer: int):
-        super().__init__(sparse, sparse.cfg, sparse.basis, sparse.mean, sparse.dense_threshold)
-        self.layer = layer   # index among the tier's layers
-        self.tier = None     # HostTier, bound by the model runner (k_cache / v_cache stay empty)
+class TieredKV:
+    """Mixin (before the selector layer in the bases): K/V storage and decode through the host tier."""
+    layer: int      # index among the tier's layers
+    tier = None     # HostTier, bound by the model runner (k_cache / v_cache stay empty)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         ctx = get_context()
@@ -40,7 +47,7 @@ class TieredAttention(SparseAttention):
         state_slots = ctx.state_slots if sub is None else ctx.state_slots[sub]
         pids = ctx.hot_pids if sub is None else ctx.hot_pids[sub]
         max_len = block_tables.shape[1] * self.tier.block_size if graph else max_seq_len
-        idx, counts = self.select(q, block_tables, seq_lens, max_len)
+        idx, counts = self.select(self.selection_query(q), block_tables, seq_lens, max_len)
         self.last_indices = (idx, counts)
         k, v, miss = self.tier.gather(self.layer, idx[:, 0], counts, block_tables, seq_lens, state_slots)
         B, Np = miss.shape
@@ -52,3 +59,22 @@ class TieredAttention(SparseAttention):
                                      tables, counts, self.scale)
         self.tier.hot.admit(self.layer, pids, miss, k, v, max_cap=self.tier.max_part_rows if graph else None)
         return out
+
+
+class TieredAttention(TieredKV, SparseAttention):
+    """Sketch selection over the host tier."""
+
+    def __init__(self, sparse: SparseAttention, layer: int):
+        SparseAttention.__init__(self, sparse, sparse.cfg, sparse.basis, sparse.mean, sparse.dense_threshold)
+        self.layer = layer
+
+
+class TieredIndexedAttention(TieredKV, IndexedAttention):
+    """QSA selection over the host tier (qwen4_exp `indexed_attention` layers). The GPU keeps the block
+    keys and raw index tail (as IndexedAttention), the tier's sinks / recent ring and hot buffer; a
+    step reads at most budget + c - 1 rows per layer whatever the context, so decode stays flat."""
+
+    def __init__(self, indexed: IndexedAttention, layer: int):
+        IndexedAttention.__init__(self, indexed.num_heads, indexed.num_kv_heads, indexed.head_dim, indexed.scale,
+                                  indexed.index_dim, indexed.budget, indexed.ratio, indexed.finish_block_keys)
+        self.layer = layer
