@@ -377,7 +377,8 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
         host_agent = 0.0
     arith = F.agent_bytes(shape, config, round(statistics.fmean(lens0)), sp.sink_tokens, sp.recent_tokens,
                           sp.hot_fraction, sp.host_format,
-                          hot_tokens=round(statistics.fmean(len(s.prompt_token_ids) for s in seqs)) + max_tokens)
+                          hot_tokens=round(statistics.fmean(len(s.prompt_token_ids) for s in seqs)) + max_tokens,
+                          slot_bytes=r.tier.hot.map.element_size() if r.tier is not None else 4)
     memory = {"gpu_bytes_per_agent": gpu_agent, "host_bytes_per_agent": host_agent,
               "gpu_bytes_per_agent_arith": arith["gpu"], "host_bytes_per_agent_arith": arith["host"],
               "tokens_per_agent": statistics.fmean(lens0)}

@@ -179,14 +179,15 @@ def pcie_bandwidth(device: torch.device, gib: float) -> float | None:
 # Memory per agent and capacity (arithmetic before building an engine)
 # ----------------------------------------------------------------------------------------------------------
 def agent_bytes(shape: Shape, config: str, tokens: int, sinks: int = 0, recent: int = 0, hot_fraction: float = 0.0,
-                host_format: str = "int4", hot_tokens: int | None = None) -> dict:
+                host_format: str = "int4", hot_tokens: int | None = None, slot_bytes: int = 4) -> dict:
     """GPU and host bytes one agent of `tokens` tokens holds. config: sparse (sparse decode + host tier),
-    dense (sketchkv paged KV), hf (transformers' cache: K/V of every token + GDN state)."""
+    dense (sketchkv paged KV), hf (transformers' cache: K/V of every token + GDN state). slot_bytes: the hot
+    buffer's map entry per host token and layer (2 while the whole pool has <= 32767 rows, else 4)."""
     bs = shape.block_size
     padded = -(-tokens // bs) * bs
     if config == "sparse":
         hot = max(64, math.ceil(hot_fraction * (hot_tokens if hot_tokens is not None else tokens)))
-        gpu = {"sketch": padded * shape.sketch_per_token, "slot_map": 4 * shape.attn_layers * padded,
+        gpu = {"sketch": padded * shape.sketch_per_token, "slot_map": slot_bytes * shape.attn_layers * padded,
                "resident": (sinks + max(recent, 1)) * shape.kv_per_token, "hot": hot * shape.hot_row,
                "gdn_state": shape.gdn_state}
         host = padded * shape.host_per_token(host_format)
