@@ -49,8 +49,9 @@ def _fit_basis(args) -> None:
           f"mean explained variance {mean_ev:.3f}")
 
 
-def _serve(args) -> None:
+def _serve(args) -> int:
     import logging
+    import threading
 
     import uvicorn
 
@@ -70,11 +71,31 @@ def _serve(args) -> None:
         log.info("replica %d: %s, pid %s", e.index, e.device, e.pid)
     log.info("serving %r (max_model_len %s) on http://%s:%d/v1", server.name, server.engine.max_model_len,
              args.host, args.port)
+
+    class QuietShutdown(uvicorn.Server):
+        """uvicorn, minus the tracebacks on Ctrl-C. Requests in flight fail at once ("the server is shutting
+        down") instead of running until the graceful timeout cancels them (a CancelledError traceback each, or
+        a KeyboardInterrupt one after a second Ctrl-C), and the signal is not raised again once the server
+        has stopped (a KeyboardInterrupt traceback): the exit code reports it, 128 + the signal number."""
+        signal: int | None = None
+
+        def handle_exit(self, sig, frame):
+            if self.signal is None:
+                self.signal = sig
+                threading.Thread(target=server.shutdown, name="sketchkv-stop", daemon=True).start()
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # what uvicorn raises again after the shutdown
+
+    uv = QuietShutdown(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                      access_log=args.access_log, log_config=None, timeout_graceful_shutdown=5))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                    log_config=None, timeout_graceful_shutdown=5)
+        uv.run()
     finally:
         server.shutdown()
+    if uv.signal is None:
+        return 0
+    log.info("stopped by signal %d: exit code %d", uv.signal, 128 + uv.signal)
+    return 128 + uv.signal
 
 
 def _eval(args) -> None:
@@ -179,13 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except SketchKVError as e:
         print(f"sketchkv: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before `serve` listens, or in any other command
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from sketchkv.config import EngineConfig
+from sketchkv.engine.detokenizer import IncrementalDetokenizer
 from sketchkv.engine.model_runner import ModelRunner
 from sketchkv.engine.scheduler import Scheduler
 from sketchkv.engine.sequence import Sequence
@@ -124,6 +125,8 @@ class LLMEngine:
         if max(ids) >= self.model_config.vocab_size or min(ids) < 0:
             raise RequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         seq = Sequence(ids, params, request_id=request_id or "")
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer)
         if seq.request_id in self.requests:
             raise RequestError(f"request id {seq.request_id!r} is already in flight")
         if self.runner.tier is not None:
@@ -186,6 +189,8 @@ class LLMEngine:
                 self.stats["prompt_tokens"] += seq.num_prompt_tokens
             for tok, lp, top in zip(out.tokens[i], out.logprobs[i], out.top_logprobs[i]):
                 seq.token_ids.append(tok)
+                if seq.detok is not None:
+                    seq.detok.add(tok)
                 self.stats["generation_tokens"] += 1
                 if lp is not None:
                     seq.logprobs.append(lp)
@@ -277,20 +282,19 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def _stop_string(self, seq: Sequence) -> str | None:
-        # A new match ends in the newest token, so a tail window of tokens covering the longest stop
-        # string (twice, for characters split across tokens) is enough: no O(n^2) re-decoding.
-        window = 2 * max(len(s) for s in seq.params.stop) + 4
-        text = self.tokenizer.decode(seq.output_token_ids[-window:])
-        for s in seq.params.stop:
-            if s in text:
-                seq.stop_reason = s
-                return s
-        return None
+        s = seq.detok.find_stop(seq.params.stop) if seq.detok is not None else None
+        if s is not None:
+            seq.stop_reason = s
+        return s
 
     def output_text(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
+        """The text so far: while running, up to the last whole character (always a prefix of the final
+        text); once finished, all of it (a trailing incomplete character as U+FFFD), cut at the stop string."""
+        if seq.detok is None:
             return ""
-        text = self.tokenizer.decode(seq.output_token_ids)
+        if not seq.is_finished:
+            return seq.detok.text
+        text = seq.detok.finish()
         if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
             cut = text.find(seq.stop_reason)
             if cut >= 0:

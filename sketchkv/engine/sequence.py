@@ -37,6 +37,7 @@ class Sequence:
     first_token_time: float | None = None
     num_prompt_cached: int = 0                            # prompt tokens served from the prefix cache
     generator: object = None                              # torch.Generator, set by the engine
+    detok: object = None                                  # IncrementalDetokenizer (engine; None: no tokenizer)
     # Speculative decoding (engine/speculative.py)
     spec_ready: bool = False                              # the drafter has caught up: drafts may be scheduled
     draft_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step, after the last token

@@ -35,6 +35,7 @@ class Tokenizer:
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self.tok.get_vocab_size()
+        self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

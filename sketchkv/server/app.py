@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -112,6 +113,7 @@ class _Server:
         self.tokenizer = None
         self.created = P.now()
         self._started = False
+        self._shutdown_lock = threading.Lock()
         self._tok_cache: dict[int, tuple[str, bytes]] = {}
         self._byte_decoder: dict[str, int] | None = None
 
@@ -133,8 +135,9 @@ class _Server:
         self._started = True
 
     def shutdown(self) -> None:
-        for e in self.engines:
-            e.shutdown()
+        with self._shutdown_lock:  # `sketchkv serve` calls it on a signal while the lifespan may call it too
+            for e in self.engines:
+                e.shutdown()
 
     # ---- data-parallel routing -----------------------------------------------------------------
     async def pick_replica(self, ids: list[int], session: str | None) -> int:

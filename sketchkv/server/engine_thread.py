@@ -34,7 +34,7 @@ class Event:
     token_ids: list[int] = field(default_factory=list)   # new since the previous event
     logprobs: list[float] | None = None                   # for token_ids
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    text: str = ""                                   # full output text so far (stop string cut when finished)
+    text: str = ""                                   # output text so far, whole characters; stop string cut at the end
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
