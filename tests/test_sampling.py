@@ -110,3 +110,12 @@ def test_teacher_force_matches_full_forward(llm):
     batch = eng.scheduler.schedule()
     ref = torch.log_softmax(eng.runner.logits_for(batch).float(), -1)[len(prompt) - 1:len(full) - 1]
     torch.testing.assert_close(lp[0], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_text_prompts_and_stop_strings_need_a_tokenizer():
+    llm = LLM("random:tiny-hybrid", device="cpu", max_model_len=256)   # random presets have no tokenizer
+    with pytest.raises(RequestError, match="no tokenizer"):
+        llm.generate(["hello"], SamplingParams(max_tokens=1))
+    with pytest.raises(RequestError, match="stop strings need one"):
+        llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=2, stop=["x"]))
+    assert llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=2))[0].token_ids

@@ -115,6 +115,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise RequestError("this model has no tokenizer: give prompt token ids")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: stop strings need one (use stop_token_ids)")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_len = self.cfg.scheduler.max_model_len
         if not ids:
