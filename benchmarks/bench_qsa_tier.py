@@ -20,7 +20,8 @@ PCIe bytes per step: deltas of the tier's counters (rows read on hot-buffer miss
 Flatness: max / min decode tok/s - 1 over the points at or beyond the budget point (context >= budget).
 
 Prefill (--prefill-context, 0 = skip): a fresh sequence of that many tokens prefilled for real in
---prefill-chunk token chunks (QSA masked prefill; later chunks read their prefix back from the tier).
+--prefill-chunk token chunks (QSA prefill: past 8K tokens each query reads only its picks; later
+chunks read their prefix back from the tier).
 """
 import argparse
 import json

@@ -180,3 +180,111 @@ def test_prefix_cache_hit_gives_the_same_tokens(qwen4):
     again = llm.generate(prompt_token_ids=[ids], sampling_params=sp)[0]
     assert again.num_cached_tokens > 0
     assert again.token_ids == first.token_ids
+
+
+# ---- QSA prefill memory: sliced scoring and the gather path (sketchkv/layers/indexed_attention.py) ----
+
+def _one_shot_block_scores(q, keys):
+    """block_scores before slicing: the whole [N, H, G] einsum, then relu-sum over heads."""
+    eq = "nhd,ngd->nhg" if keys.dim() == 3 else "nhd,gd->nhg"
+    return torch.relu(torch.einsum(eq, q.float(), keys.float())).sum(dim=1) / q.shape[-1] ** 0.5
+
+
+@pytest.mark.parametrize("N,G,shared,dtype", [(512, 3001, True, torch.float32), (37, 9000, True, torch.bfloat16),
+                                              (3, 1000, False, torch.float32), (100, 700, True, torch.bfloat16)])
+def test_sliced_block_scores_bitwise_equal_one_shot(N, G, shared, dtype):
+    """Slices of blocks (a ragged last one too) give the one-shot scores bit for bit, hence the same picks."""
+    g = torch.Generator().manual_seed(N + G)
+    q = torch.randn(N, 16, 128, generator=g).to(dtype)
+    keys = torch.randn(G, 128, generator=g) if shared else torch.randn(N, G, 128, generator=g)
+    keys = keys.to(dtype)
+    want = _one_shot_block_scores(q, keys)
+    got = block_scores(q, keys, max_bytes=4 * N * 16 * 300)  # 256-block slices
+    assert torch.equal(got, want)
+    visible = torch.randint(1, 4 * G + 1, (N,), generator=g)
+    assert torch.equal(select_positions(got, visible, 64, 4)[0], select_positions(want, visible, 64, 4)[0])
+
+
+def _qsa_run(path, monkeypatch, gather: bool, tier: bool, **score):
+    """Greedy tokens / log-probabilities of two prompts plus a follow-up turn (prefix-cache hit), and the
+    last-position logits of a 300-token prompt prefilled in 128-token chunks: fp32, QSA budget 32."""
+    from sketchkv.layers import indexed_attention as ia
+    monkeypatch.setattr(ia, "GATHER_MIN_CONTEXT", 0 if gather else 10**9)
+    for k, v in score.items():
+        monkeypatch.setattr(ia, k, v)
+    opts = dict(sparse_host_tier=True, sparse_host_format="bf16", sparse_sink_tokens=4,
+                sparse_recent_tokens=8) if tier else {}
+    llm = LLM(path, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=128, **opts)
+    ids = _prompt(300, 1, eos_at=100)
+    logits = _chunked_prefill_logits(llm, ids)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompt_token_ids=[ids, _prompt(170, 2)], sampling_params=sp)
+    follow = llm.generate(prompt_token_ids=[ids + _prompt(40, 3)], sampling_params=sp)[0]
+    assert follow.num_cached_tokens >= 288
+    return logits, [(o.token_ids, o.logprobs) for o in outs + [follow]]
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_gather_prefill_matches_masked_prefill(qwen4, monkeypatch, tier):
+    """Each query attending its own gathered picks == the boolean-mask path: same tokens, logits and
+    log-probabilities within fp32 summation order (~1e-7 here; a wrong pick moves them ~5e-3).
+    SCORE_BYTES = 4 KiB splits each 128-token step of the gather run into query chunks (11 queries at
+    350 tokens). With the tier the context comes back from host rows; without it, also against
+    transformers."""
+    path, hf = qwen4
+    ref_logits, ref = _qsa_run(path, monkeypatch, gather=False, tier=tier)
+    logits, got = _qsa_run(path, monkeypatch, gather=True, tier=tier, SCORE_BYTES=4096)
+    print("gather vs masked: max |logit diff|", float((logits - ref_logits).abs().max()),
+          "max |logprob diff|", max(abs(x - y) for (_, a), (_, b) in zip(got, ref) for x, y in zip(a, b)))
+    torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    for (_, a), (_, b) in zip(got, ref):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=RTOL, atol=ATOL)
+    if not tier:
+        with torch.no_grad():
+            want = hf(torch.tensor([_prompt(300, 1, eos_at=100)])).logits[0, -1]
+        torch.testing.assert_close(logits, want, rtol=RTOL, atol=ATOL)
+
+
+def _largest_prefill_temporary(path, monkeypatch, gather: bool, n_prompt: int) -> int:
+    """Bytes of the largest tensor any op allocates inside QSA prefill (views and in-place ops excluded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from sketchkv.layers import indexed_attention as ia
+
+    largest = [0]
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    largest[0] = max(largest[0], t.untyped_storage().nbytes())
+            return out
+
+    prefill = ia.IndexedAttention.prefill
+
+    def tracked(self, *a, **kw):
+        with Track():
+            return prefill(self, *a, **kw)
+
+    monkeypatch.setattr(ia.IndexedAttention, "prefill", tracked)
+    monkeypatch.setattr(ia, "GATHER_MIN_CONTEXT", 0 if gather else 10**9)
+    monkeypatch.setattr(ia, "SCORE_BYTES", 32 << 10)
+    llm = LLM(path, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=128)
+    _chunked_prefill_logits(llm, _prompt(n_prompt, 9))
+    return largest[0]
+
+
+def test_gather_prefill_temporaries_do_not_grow_with_context(qwen4, monkeypatch):
+    """4x the context: the gather path's largest temporary does not grow (scores stay within SCORE_BYTES
+    by shrinking the query chunk, K/V are read per pick), the masked path's does (K/V repeated over the
+    query group, [queries, context] mask). With SCORE_BYTES = 32 KiB the largest is a per-head slice
+    [queries, 8 heads, <= 256 blocks] (the slice floor), <= 8 x SCORE_BYTES; at the real shape slices
+    stay within SCORE_BYTES."""
+    path, _ = qwen4
+    new = [_largest_prefill_temporary(path, monkeypatch, True, n) for n in (600, 2400)]
+    old = [_largest_prefill_temporary(path, monkeypatch, False, n) for n in (600, 2400)]
+    print("largest prefill temporary (bytes) gather:", new, "masked:", old)
+    assert new[1] <= new[0] <= 8 * (32 << 10) < old[1] and old[1] > 3 * old[0]

@@ -11,18 +11,40 @@ caching needs no extra state: the tail is empty at every cached boundary.
 
 Selection (ops/qsa.py) yields token positions + counts in the sparse-attention layout, the same
 contract as the sketch selector (`SparseAttention.select`): decode runs the indexed paged-attention
-kernel over exactly those rows. Prefill selects per query (a PyTorch boolean mask over the chunk's
-context in query chunks; a block-sparse prefill kernel is GPU work for later). Queries whose
-complete blocks fit the budget attend densely through the dense kernels.
+kernel over exactly those rows. Queries whose complete blocks fit the budget attend densely through
+the dense kernels.
+
+Prefill selects per query, in query chunks, and keeps its memory proportional to the selection:
+  - scoring: at most SCORE_BYTES (128 MiB) of [queries, blocks] fp32 scores per chunk (the chunk
+    shrinks as the context grows) and as much again of per-head products (`block_scores` slices
+    the blocks); top-k adds one masked copy of the scores. At the H200 shape (indexer 16 x 128,
+    c = 4) and 1M tokens: 128 queries per chunk, 16K-block slices, ~350 MiB at peak with the
+    gathered block keys (64 MiB); the one-shot einsum of a 512-query chunk was 8 GiB.
+  - attention over contexts above GATHER_MIN_CONTEXT: each query reads its own <= budget + c - 1
+    selected rows straight from the paged cache (store_kv already wrote the chunk's rows) through the
+    indexed decode kernel, one query per row (`sparse_attention`; CPU: its reference). Its split
+    buffers are [queries, Hq, <= 17, D] fp32 at budget 2048: <= 136 MiB for 512 queries at 16 x 256.
+    Over the host tier the context is read back once ([L, Hkv, D], 2 GiB at 1M tokens for K + V) as
+    the dense prefix read always was; the masked path repeated it over the query group (16 GiB).
+  - shorter contexts keep `masked_attention` (SDPA with a [queries, context] mask and K/V repeated
+    over the query group: <= 128 MiB at 8K tokens, one fused call).
+What remains: a fused block-sparse prefill kernel on GPU (scores + top-k + attention over the picked
+blocks in one pass, sharing a block's K/V tile across the queries that picked it), and reading only
+the picked rows back from the host tier instead of the whole prefix.
 """
 import torch
 
 from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
-from sketchkv.ops.qsa import block_scores, masked_attention, pool_raw_keys, positions_to_mask, select_positions
+from sketchkv.ops.qsa import (SCORE_BYTES, block_scores, masked_attention, pool_raw_keys, positions_to_mask,
+                               select_positions)
 from sketchkv.ops.sparse_attention import sparse_attention
 
-PREFILL_QUERY_CHUNK = 512  # bounds the [queries, context] mask and score memory of sparse prefill
+PREFILL_QUERY_CHUNK = 512  # queries selected (and attended) together in sparse prefill, at most
+# Above this context a prefill chunk gathers each query's selected rows instead of masking the whole
+# context: below it the masked path's temporaries (K/V repeated over the query group, 16 KiB per token
+# at 16 x 256 bf16) stay <= 128 MiB and SDPA is one call; above it they grow with the context.
+GATHER_MIN_CONTEXT = 8192
 
 
 class IndexedAttention(Attention):
@@ -119,17 +141,33 @@ class IndexedAttention(Attention):
         L = cached + n
         if L // c <= self.block_topk:
             return super().prefill(q, k, v, block_table, cached, rows)
-        kb, vb = (k, v) if cached == 0 else self.context_kv(block_table, cached, k, v)
+        gather = L > GATHER_MIN_CONTEXT
+        if gather:
+            k_src, v_src, table = self.selected_kv_source(block_table, cached, k, v)
+        else:
+            kb, vb = (k, v) if cached == 0 else self.context_kv(block_table, cached, k, v)
         iq = self._index_q[rows]
         G = L // c
         first = c * torch.arange(G, device=q.device)
         keys = self.index_keys[self.key_rows(block_table[None], first[None])[0]]  # [G, Di]
+        # [chunk, G] fp32 scores within SCORE_BYTES: fewer queries per chunk past 64K blocks (256K tokens)
+        chunk = max(1, min(PREFILL_QUERY_CHUNK, SCORE_BYTES // (4 * G)))
         out = torch.empty_like(q)
-        for i in range(0, n, PREFILL_QUERY_CHUNK):
-            j = min(n, i + PREFILL_QUERY_CHUNK)
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
             visible = cached + torch.arange(i, j, device=q.device) + 1
-            idx, _ = select_positions(block_scores(iq[i:j], keys), visible, self.block_topk, c)
-            # keys beyond the last query of the chunk are never visible: attend over the prefix that matters
-            Lc = cached + j
-            out[i:j] = masked_attention(q[i:j], kb[:Lc], vb[:Lc], positions_to_mask(idx, Lc), self.scale)
+            scores = block_scores(iq[i:j], keys, max_bytes=SCORE_BYTES)
+            idx, counts = select_positions(scores, visible, self.block_topk, c)
+            del scores
+            if gather:  # each query is its own row with its own picks (all visible: causal by selection)
+                out[i:j] = sparse_attention(q[i:j], k_src, v_src, table.expand(j - i, -1), idx[:, None], counts,
+                                            self.scale)
+            else:  # keys beyond the chunk's last query are never visible: mask over the prefix that matters
+                Lc = cached + j
+                out[i:j] = masked_attention(q[i:j], kb[:Lc], vb[:Lc], positions_to_mask(idx, Lc), self.scale)
         return out
+
+    def selected_kv_source(self, block_table, cached: int, k, v):
+        """Paged (k_cache, v_cache, block_table [W]) that holds a prefill chunk's whole context, for the
+        gather path: the paged cache itself, no copy (store_kv wrote the chunk's own rows first)."""
+        return self.k_cache, self.v_cache, block_table

@@ -78,3 +78,14 @@ class TieredIndexedAttention(TieredKV, IndexedAttention):
         IndexedAttention.__init__(self, indexed.num_heads, indexed.num_kv_heads, indexed.head_dim, indexed.scale,
                                   indexed.index_dim, indexed.budget, indexed.ratio, indexed.finish_block_keys)
         self.layer = layer
+
+    def selected_kv_source(self, block_table, cached: int, k, v):
+        """No paged cache here: the chunk's context read back from the tier (as the dense prefix read),
+        laid out as ATTN_BLOCK-row blocks for the indexed kernel. The chunk's own rows are padded to
+        the block multiple before the concatenation, so the context is copied once."""
+        pad = -(cached + k.shape[0]) % ATTN_BLOCK
+        k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (k, v))
+        kb, vb = self.context_kv(block_table, cached, k, v) if cached else (k, v)
+        nb = kb.shape[0] // ATTN_BLOCK
+        table = torch.arange(nb, dtype=torch.int32, device=k.device)
+        return (kb.view(nb, ATTN_BLOCK, *kb.shape[1:]), vb.view(nb, ATTN_BLOCK, *vb.shape[1:]), table)

@@ -8,8 +8,8 @@ exactly over the top budget // c blocks plus the tail. A query whose complete bl
 most budget // c therefore attends densely.
 
 Selections are token positions in the sparse-attention layout (ops/sparse_attention.py): ascending,
-padded with SENTINEL, with a count per row. PyTorch only: scoring is a batched matmul and top-k a
-library call (the GPU milestone fuses scoring + top-k if the profile asks for it).
+padded with SENTINEL, with a count per row. PyTorch only: scoring is a batched matmul over slices of
+blocks and top-k a library call (the GPU milestone fuses scoring + top-k if the profile asks for it).
 """
 import math
 
@@ -24,11 +24,30 @@ def pool_raw_keys(raw: torch.Tensor) -> torch.Tensor:
     return raw.float().mean(dim=1).to(raw.dtype)
 
 
-def block_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q [N, H, D] index queries; keys [N, G, D] (per query) or [G, D] (shared) -> [N, G] fp32."""
+SCORE_BYTES = 128 << 20  # default bound on the per-head products block_scores holds at once
+SCORE_SLICE_ALIGN = 256  # blocks; see block_scores
+
+
+def block_scores(q: torch.Tensor, keys: torch.Tensor, max_bytes: int = SCORE_BYTES) -> torch.Tensor:
+    """q [N, H, D] index queries; keys [N, G, D] (per query) or [G, D] (shared) -> [N, G] fp32.
+
+    The per-head products [N, H, G] fp32 (16 MiB per query at 1M tokens: G = 256K blocks x 16 heads)
+    are formed a slice of blocks at a time, at most max_bytes each: every slice runs the same einsum
+    and relu-sum over heads as the whole tensor would. Slices are a multiple of SCORE_SLICE_ALIGN
+    blocks because the CPU reduction handles a slice's ragged end in another order (slices of 32
+    blocks change the last bit; 64 and up do not): aligned, the scores are bitwise the one-shot ones
+    (tests/test_qwen4_exp.py). Shapes alone fix the slicing: CUDA-graph friendly."""
+    N, H, D = q.shape
+    G = keys.shape[-2]
+    per_block = 4 * max(1, N * H)
+    step = max(SCORE_SLICE_ALIGN, max_bytes // per_block // SCORE_SLICE_ALIGN * SCORE_SLICE_ALIGN)
     eq = "nhd,ngd->nhg" if keys.dim() == 3 else "nhd,gd->nhg"
-    s = torch.einsum(eq, q.float(), keys.float())
-    return torch.relu(s).sum(dim=1) / math.sqrt(q.shape[-1])
+    qf = q.float()
+    out = torch.empty(N, G, dtype=torch.float32, device=q.device)
+    for g in range(0, G, step):
+        s = torch.einsum(eq, qf, keys[..., g:g + step, :].float())
+        out[:, g:g + step] = s.relu_().sum(dim=1)  # in place: one [N, H, slice] temporary
+    return out.div_(math.sqrt(D))
 
 
 def select_positions(scores: torch.Tensor, visible: torch.Tensor, block_topk: int, c: int):
