@@ -96,6 +96,50 @@ def time_decode(llm: LLM, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def decode_during_prefill(args) -> dict:
+    """`--interference-batch` agents decode at the first `--contexts` length while one more prompt of
+    `--interference-prefill` tokens prefills (chunks of `--prefill-chunk` tokens, which the scheduler shares
+    with the decode rows every step): their tok/s before and during that prefill, whether any step left
+    them without a token (issue 6: their decode must not stop), and the prefill's own tok/s under load."""
+    b, ctx, pre = args.interference_batch, args.contexts[0], args.interference_prefill
+    during = pre // max(1, args.prefill_chunk - b) + 2        # steps the prefill takes
+    max_tokens = args.steps + during + 16
+    blocks = b * math.ceil((ctx + max_tokens) / 64) + math.ceil(pre / 64) + 2 * args.prefill_chunk // 64 + 8
+    llm = LLM(f"random:{args.preset}", max_num_seqs=b + 1, max_model_len=max(ctx + max_tokens, pre + 64),
+              num_kv_blocks=blocks, max_num_batched_tokens=args.prefill_chunk)
+    eng, vocab = llm.engine, llm.engine.model_config.vocab_size
+    sp1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    # compile / autotune the prefill chunk shapes first (another prompt: no prefix-cache hit later)
+    llm.generate(prompt_token_ids=[torch.randint(0, vocab, (min(pre, 2 * args.prefill_chunk),)).tolist()],
+                 sampling_params=sp1)
+    seqs = fill_sequences(llm, b, ctx, max_tokens)
+    before = b / time_decode(llm, args.steps)
+    new = eng.add_request(torch.randint(0, vocab, (pre,)).tolist(), sp1)
+    sync()
+    t0 = time.perf_counter()
+    got, starved, steps = [len(s.output_token_ids) for s in seqs], 0, 0
+    start = sum(got)
+    while new.first_token_time is None:
+        eng.step()
+        steps += 1
+        now = [len(s.output_token_ids) for s in seqs]
+        starved += any(n == g for n, g in zip(now, got))
+        got = now
+    sync()
+    dt = time.perf_counter() - t0
+    tokens = sum(got) - start
+    row = dict(engine="sketchkv", phase="decode_during_prefill", context=ctx, batch=b, prefill_context=pre,
+               chunk=args.prefill_chunk, steps=steps, seconds=dt, tok_s=tokens / dt, tok_s_before=before,
+               prefill_tok_s=pre / dt, steps_without_decode_token=starved)
+    print(f"sketchkv {b} agents at ctx={ctx} while a {pre}-token prompt prefills (chunk {args.prefill_chunk}): "
+          f"{tokens / dt:.1f} tok/s (before: {before:.1f}); prefill {pre / dt:.0f} tok/s over {steps} steps; "
+          f"steps without a token for some agent: {starved}", flush=True)
+    clear(llm)
+    del llm
+    gc.collect()
+    return row
+
+
 def clear(llm: LLM) -> None:
     eng = llm.engine
     for rid in list(eng.requests):
@@ -110,10 +154,11 @@ def bench_sketchkv(args, bw: float) -> list[dict]:
     modes = args.modes or (["dense"] + (["dense-eager"] if args.eager_too else []) + (["sparse"] if args.sparse else []))
     for name in modes:
         mode, eager = name.split("-")[0], name == "dense-eager"
-        combine = {"sparse-sum": "sum", "sparse-max": "max"}.get(name, "softmax")
+        combine = {"sparse-sum": {"sparse_head_combine": "sum"}, "sparse-max": {"sparse_head_combine": "max"},
+                   "sparse-softmax": {"sparse_head_combine": "softmax"}}.get(name, {})  # sparse: the default
         llm = LLM(f"random:{args.preset}", max_num_seqs=max_b, max_model_len=max_ctx + 512,
                   num_kv_blocks=blocks, max_num_batched_tokens=args.prefill_chunk, enforce_eager=eager,
-                  sparse=mode == "sparse", sparse_head_combine=combine)
+                  sparse=mode == "sparse", **combine)
         for ctx in args.contexts:
             for b in args.batches:
                 fill_sequences(llm, b, ctx, args.steps + 8)
@@ -249,15 +294,20 @@ def main():
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--eager-too", action="store_true", help="also time decode without CUDA graphs")
     p.add_argument("--sparse", action="store_true", help="also time sparse decode (random basis: speed only)")
-    p.add_argument("--modes", nargs="+", choices=["dense", "dense-eager", "sparse", "sparse-sum", "sparse-max"],
-                   help="engine modes to time (overrides --sparse/--eager-too); sparse = the default softmax head "
-                        "combine, sparse-sum / sparse-max the others; prefill runs with dense")
+    p.add_argument("--modes", nargs="+",
+                   choices=["dense", "dense-eager", "sparse", "sparse-sum", "sparse-max", "sparse-softmax"],
+                   help="engine modes to time (overrides --sparse/--eager-too); sparse = the engine's default head "
+                        "combine, sparse-sum / -max / -softmax a given one; prefill runs with dense")
     p.add_argument("--hf", action="store_true", help="also run transformers on the same config")
     p.add_argument("--hf-contexts", type=int, nargs="*", default=[8192, 131072])
     p.add_argument("--hf-batches", type=int, nargs="*", default=[1])
     p.add_argument("--hf-steps", type=int, default=8)
     p.add_argument("--profile-prefill", type=int, default=0, metavar="CTX",
                    help="also profile one CTX-token prefill (torch.profiler) and print GPU time by kernel group")
+    p.add_argument("--interference-prefill", type=int, default=0, metavar="TOKENS",
+                   help="also time --interference-batch agents decoding (at the first --contexts length) while "
+                        "one TOKENS-token prompt prefills alongside (issue 6: 4 agents while a fifth prefills 250K)")
+    p.add_argument("--interference-batch", type=int, default=4)
     p.add_argument("--out", default="benchmarks/results/engine.json")
     args = p.parse_args()
     bw = hbm_bandwidth(torch.device(DEV), 4.0 if DEV == "cuda" else 0.03)
@@ -267,6 +317,8 @@ def main():
                   hbm_copy_bytes_per_s=bw, rows=[])
     try:
         result["rows"] += bench_sketchkv(args, bw)
+        if args.interference_prefill:
+            result["rows"].append(decode_during_prefill(args))
         if args.hf:
             result["rows"] += bench_hf(args, bw)
     finally:
