@@ -35,7 +35,7 @@ sys.path.insert(0, ".")
 from sketchkv import LLM, SamplingParams  # noqa: E402
 from sketchkv.bench.floor import hbm_bandwidth  # noqa: E402
 from sketchkv.config import default_model  # noqa: E402
-from sketchkv.engine.sequence import Status  # noqa: E402
+from bench_engine import fill_sequences, time_decode  # noqa: E402  (benchmarks/, the script's directory)
 
 
 def sync(device: str) -> None:
@@ -80,28 +80,6 @@ def parity(args) -> list[dict]:
 
 
 # ---- (b) decode step time --------------------------------------------------------------------------
-def fill_sequences(llm: LLM, batch: int, ctx: int, steps: int) -> None:
-    """`batch` running sequences of `ctx` tokens; rank 0's caches get random values (the workers'
-    hold whatever their allocation held: a step's time does not depend on the values)."""
-    eng = llm.engine
-    g = torch.Generator(device=eng.device).manual_seed(0)
-    for m in eng.runner.attn_layers:
-        m.k_cache.normal_(0, 1, generator=g)
-        m.v_cache.normal_(0, 1, generator=g)
-    for m in eng.runner.gdn_layers:
-        m.conv_state.normal_(0, 0.1, generator=g)
-        m.ssm_state.normal_(0, 0.01, generator=g)
-    for _ in range(batch):
-        seq = eng.add_request(torch.randint(0, eng.model_config.vocab_size, (ctx,)).tolist(),
-                              SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-        eng.scheduler.waiting.remove(seq)
-        seq.state_slot = eng.scheduler.free_slots.popleft()
-        eng.blocks.grow(seq, ctx)
-        seq.num_cached = ctx - 1
-        seq.status = Status.RUNNING
-        eng.scheduler.running.append(seq)
-
-
 def shard_bytes(llm: LLM, batch: int, ctx: int) -> dict:
     """Bytes one rank reads in a decode step: its weights (the embedding only for B rows), its KV
     heads, its GDN state (read + write)."""
@@ -126,15 +104,10 @@ def decode(args, bw: float, allreduce_us: dict) -> list[dict]:
                   max_model_len=args.context + 512, num_kv_blocks=blocks, enable_prefix_caching=False)
         layers = len(llm.engine.model.model.layers)
         for b in args.batches:
+            # random caches on rank 0 (the workers keep what their allocation held: a step's time does not
+            # depend on the values)
             fill_sequences(llm, b, args.context, args.steps + 3)
-            for _ in range(3):
-                llm.engine.step()
-            sync(args.device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                llm.engine.step()
-            sync(args.device)
-            dt = (time.perf_counter() - t0) / args.steps
+            dt = time_decode(llm, args.steps)
             fb = shard_bytes(llm, b, args.context)
             comm = (2 * layers + 1) * allreduce_us.get(b, 0.0) / 1e6 if tp > 1 else 0.0
             floor = fb["total"] / bw + comm

@@ -160,3 +160,42 @@ def _free_gpu_memory_after_test(request):
         import gc
         gc.collect()
         torch.cuda.empty_cache()
+
+
+# ---- real server processes (test_server*.py, test_serve_shutdown.py) --------------------------------------
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc, timeout: float, log=lambda: "") -> None:
+    """Poll `url`/health until it answers 200; fail with the server's log if it exits or times out."""
+    import time
+
+    import httpx
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"server did not come up:\n{log()}")
+        time.sleep(0.3)
+
+
+def stop_process(proc, timeout: float = 20) -> None:
+    import subprocess
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

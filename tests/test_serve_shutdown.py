@@ -2,7 +2,6 @@
 a streaming request in flight (which ends at once with a "shutting down" error event)."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -10,17 +9,12 @@ import time
 
 import httpx
 import pytest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port, wait_healthy
 
 
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_sigint_shuts_down_cleanly(in_flight):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # A background process of a non-interactive shell starts with SIGINT ignored: restore the default,
     # as a terminal's Ctrl-C finds it.
@@ -29,16 +23,8 @@ def test_sigint_shuts_down_cleanly(in_flight):
                             env={**os.environ, "OMP_NUM_THREADS": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
+        wait_healthy(url, proc, 120)
         deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.3)
         lines = []
         if in_flight:
             def stream():

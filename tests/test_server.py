@@ -3,13 +3,13 @@ official `openai` client (and httpx for raw / malformed requests)."""
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+from conftest import free_port, stop_process, wait_healthy
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -23,12 +23,6 @@ MAX_BODY = 1 << 20             # --max-request-bytes for the 413 test
 NAME = "tiny-qwen"
 WORDS = ("def f(x): return x + 1 import torch class A: pass hello world, the quick brown fox "
          "jumps over lazy dog").split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt(n_words: int, seed: int) -> str:
@@ -79,7 +73,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log_path = str(tmp_path_factory.mktemp("server-log") / "server.log")
     # The key through the environment. One intra-op thread: on a small shared CPU box an OpenMP team
     # competing with the server's event loop and the test's client threads stalls at every barrier.
@@ -91,26 +85,10 @@ def server(checkpoint, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     srv = Server(url, checkpoint, proc, log_path)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{srv.log()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not come up:\n{srv.log()}")
-            time.sleep(0.2)
+        wait_healthy(url, proc, 180, srv.log)
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 15)
 
 
 # ---- basics --------------------------------------------------------------------------------------

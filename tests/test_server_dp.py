@@ -19,17 +19,11 @@ pytest.importorskip("uvicorn")
 from sketchkv.config import EngineConfig                  # noqa: E402
 from sketchkv.errors import SketchKVError                 # noqa: E402
 from sketchkv.server.replica import plan_replicas         # noqa: E402
+from conftest import free_port, stop_process, wait_healthy  # noqa: E402
 
 NAME = "reference-model"
 WORDS = ("def f(x): return x + 1 import torch class A: pass hello world, the quick brown fox "
          "jumps over lazy dog").split()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def text(n_words: int, seed: int) -> str:
@@ -66,7 +60,7 @@ class DPServer:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log_path = str(tmp_path_factory.mktemp("dp-log") / "server.log")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("SKETCHKV_API_KEY", None)
@@ -76,27 +70,10 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     srv = DPServer(f"http://127.0.0.1:{port}", proc, log_path)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{srv.log()}")
-            try:
-                if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not come up:\n{srv.log()}")
-            time.sleep(0.3)
+        wait_healthy(srv.url, proc, 240, srv.log)
         yield srv
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
 
 def test_two_replicas_answer(server):
