@@ -20,7 +20,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | te
 export SKETCHKV_PARITY_OUT=$OUT/gpu-parity.json
 case " $STAGES " in *" tests "*)
   # full log (-rA: every test's outcome, --durations: where the time went) in $OUT; the tail on screen
-  timeout $(( $(left) * ${TESTS_SHARE:-6} / 10 )) python3 -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $TESTS \
+  # a test that hangs is stopped after TEST_TIMEOUT s with its stack (pytest-timeout, on the device machine)
+  TO=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-180}")
+  timeout $(( $(left) * ${TESTS_SHARE:-6} / 10 )) python3 -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $TO $TESTS \
     > "$OUT/gpu-tests.log" 2>&1; tail -40 "$OUT/gpu-tests.log";;
 esac
 case " $STAGES " in *" sparse "*)
