@@ -117,10 +117,13 @@ def decode_during_prefill(args) -> dict:
     new = eng.add_request(torch.randint(0, vocab, (pre,)).tolist(), sp1)
     sync()
     t0 = time.perf_counter()
-    got, starved, steps = [len(s.output_token_ids) for s in seqs], 0, 0
+    got, starved, steps, gaps = [len(s.output_token_ids) for s in seqs], 0, 0, []
     start = sum(got)
     while new.first_token_time is None:
+        t = time.perf_counter()
         eng.step()
+        sync()
+        gaps.append(time.perf_counter() - t)   # every agent gets a token per step: the gap between tokens
         steps += 1
         now = [len(s.output_token_ids) for s in seqs]
         starved += any(n == g for n, g in zip(now, got))
@@ -130,10 +133,14 @@ def decode_during_prefill(args) -> dict:
     tokens = sum(got) - start
     row = dict(engine="sketchkv", phase="decode_during_prefill", context=ctx, batch=b, prefill_context=pre,
                chunk=args.prefill_chunk, steps=steps, seconds=dt, tok_s=tokens / dt, tok_s_before=before,
-               prefill_tok_s=pre / dt, steps_without_decode_token=starved)
+               prefill_tok_s=pre / dt, steps_without_decode_token=starved, max_token_gap_s=max(gaps),
+               median_token_gap_s=sorted(gaps)[len(gaps) // 2],
+               decode_time_share=llm.engine.cfg.scheduler.decode_time_share)
     print(f"sketchkv {b} agents at ctx={ctx} while a {pre}-token prompt prefills (chunk {args.prefill_chunk}): "
           f"{tokens / dt:.1f} tok/s (before: {before:.1f}); prefill {pre / dt:.0f} tok/s over {steps} steps; "
-          f"steps without a token for some agent: {starved}", flush=True)
+          f"steps without a token for some agent: {starved}; gap between tokens max {max(gaps):.2f} s, "
+          f"median {sorted(gaps)[len(gaps) // 2] * 1e3:.0f} ms (decode_time_share "
+          f"{llm.engine.cfg.scheduler.decode_time_share})", flush=True)
     clear(llm)
     del llm
     gc.collect()

@@ -152,7 +152,12 @@ def main():
     contexts, prefill_L = [min(L, limit) for L in contexts], min(prefill_L, limit)
     qsa = r.qsa_layers[0]
     gen = torch.Generator(device=llm.engine.device).manual_seed(args.seed)
-    points = [decode_point(llm, L, args, gen) for L in contexts]
+    print(f"engine built in {load_s:.0f} s: {r.tier!r}", flush=True)
+    points = []
+    for L in contexts:   # printed as they come: a run cut short still says what it measured
+        points.append(decode_point(llm, L, args, gen))
+        x = points[-1]
+        print(f"context {x['context']}: {x['decode_tok_s']:.1f} tok/s, {x['step_ms_p50']:.2f} ms/step", flush=True)
     prefill = prefill_point(llm, prefill_L) if prefill_L else None
     beyond = [x["decode_tok_s"] for x in points if x["context"] >= qsa.budget]
     flat = max(beyond) / min(beyond) - 1 if beyond else None

@@ -27,6 +27,8 @@ class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata={"help": "sequences running at once (also the number of GDN state slots)"})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "tokens per step: prefill chunks + decode tokens"})
     max_model_len: int | None = field(default=None, metadata={"help": "default: the model's max_position_embeddings"})
+    decode_time_share: float = field(default=0.5, metadata={"help": "while prompts prefill and other sequences decode: the share of wall time kept for decode-only steps (CUDA graphs), so a long prefill slows the others' decode instead of stalling it; 0 = every step mixes a prefill chunk in (vLLM's chunked prefill)"})
+    max_prefill_tokens_while_decoding: int = field(default=4096, metadata={"help": "prompt tokens per step while other sequences decode (shorter steps: shorter gaps between their tokens)"})
 
 
 @dataclass

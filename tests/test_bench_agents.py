@@ -186,3 +186,13 @@ def test_data_parallel_replicas_and_ratio(tmp_path):
                      "--out-dir", str(tmp_path), "--name", "merged-dp", "--quiet"]) == 0
     (m,) = json.load(open(tmp_path / "merged-dp.json"))["dp_rows"]
     assert math.isclose(m["ratio_vs_1"], d["tok_s"] / single["decode"]["tok_s"])
+
+
+def test_kernel_kinds_of_the_gpu_breakdown():
+    from sketchkv.bench.breakdown import kernel_kind
+    assert kernel_kind("_sketch_score_kernel") == "sketch score"
+    assert kernel_kind("chunk_gated_delta_rule_fwd_kernel_h") == "gdn (fla)"
+    assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm (weights)"
+    assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "index / gather (torch)"
+    assert kernel_kind("_host_gather_kernel") == "host gather (PCIe)"
+    assert kernel_kind("something new") == "other"

@@ -289,7 +289,7 @@ def turn1_max_tokens(args, n: int, prefill_tokens: int, chunk: int) -> int:
 def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -> dict:
     import torch
     from sketchkv.bench import floor as F
-    from sketchkv.bench.breakdown import measure
+    from sketchkv.bench.breakdown import measure, profile_kernels
     from sketchkv.sampling_params import SamplingParams
     eng = llm.engine
     dev, r, sp = eng.device, eng.runner, eng.cfg.sparse
@@ -387,7 +387,7 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     # ---- breakdown
     bd = None
     if args.breakdown:
-        bd = measure(eng, args.breakdown_steps)
+        bd = profile_kernels(eng, args.breakdown_steps) if dev.type == "cuda" else measure(eng, args.breakdown_steps)
         bd["graph_step_ms"] = decode["step_ms_mean"]
         bd["bytes"] = {"weights": b["weights"], "gdn": b["gdn_state"], "selection": b["sketch"], "attention": b["kv"],
                        "pcie_misses": b["pcie"]}
@@ -769,6 +769,25 @@ def markdown(r: dict, png: str) -> str:
                  f"{_gb(m.get('host_bytes_per_agent'))} | {pf['tok_s']:.0f}"
                  f"{'' if pf['mode'] == 'real' else ' (tail)'} | {ttft} | [{ref[row['command']]}] |")
     bds = [row for row in r["rows"] if row.get("status") == "ok" and row.get("breakdown")]
+    kbds = [row for row in bds if "kernels" in row["breakdown"]]
+    bds = [row for row in bds if "kernels" not in row["breakdown"]]
+    if kbds:
+        kinds = list(dict.fromkeys(k for row in kbds for k in row["breakdown"]["ms"]))
+        L += ["", "## Step time by kernel kind (CUDA-graph steps; ms per step)", "",
+              f"{kbds[0]['breakdown']['method']}: GPU time of every kernel a step runs, summed by kind "
+              "(`sketchkv/bench/breakdown.py`, KERNEL_KINDS). Kernel sum < graph step: gaps between kernels.", "",
+              "| config | agents x context | " + " | ".join(kinds) + " | kernel sum | graph step | kernels/step | cmd |",
+              "|" + "---|" * (len(kinds) + 6)]
+        for row in kbds:
+            bd = row["breakdown"]
+            L.append(f"| {row['label']} | {row['agents']} x {C.fmt_len(row['context'])} | " +
+                     " | ".join(f"{bd['ms'].get(k, 0.0):.2f}" for k in kinds) +
+                     f" | {bd['total_ms']:.2f} | {bd['graph_step_ms']:.2f} | {bd['kernels_per_step']:.0f} | "
+                     f"[{ref[row['command']]}] |")
+        big = kbds[-1]
+        L += ["", f"Top kernels of {big['label']}, {big['agents']} x {C.fmt_len(big['context'])} (per step):", "",
+              "| kernel | kind | calls | us |", "|---|---|---|---|"]
+        L += [f"| `{k['name'][:80]}` | {k['kind']} | {k['calls']:.0f} | {k['us']:.0f} |" for k in big["breakdown"]["kernels"]]
     if bds:
         from sketchkv.bench.breakdown import GROUPS
         L += ["", "## Step time by layer group (eager steps; ms per step)", "",

@@ -1,4 +1,12 @@
-"""Where a decode step's time goes: timed regions around the layer groups, over a few eager steps.
+"""Where a decode step's time goes.
+
+On a GPU (`profile_kernels`): the CUDA-graph decode steps themselves under torch.profiler (CUPTI
+records every kernel a graph replay runs), kernel time per step summed by kernel name and by kind
+(GEMMs = weight reads, fla's GDN kernels, each of our Triton kernels, torch's small index /
+elementwise / sort / scan kernels, copies). Nothing is timed eagerly: an eager step's time is
+launch latency, not GPU time (the region method below gave ~180 ms eager against a 32 ms graph step).
+
+On a CPU (`measure`): timed regions around the layer groups, over a few eager steps.
 
 The engine's own functions are wrapped for the duration of the measurement (nothing in the engine knows):
 
@@ -98,6 +106,62 @@ def _sleep_cycles(seconds: float) -> int:
     except AttributeError:
         khz = 2_000_000
     return int(seconds * khz * 1e3)
+
+
+KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("gdn (fla)", ("gated_delta", "chunk_", "recurrent", "causal_conv", "_gdn_gates", "l2norm")),
+    ("sketch score", ("_sketch_score",)),
+    ("top-k", ("_count_kernel", "_compact_kernel", "topk", "radixSort", "RadixSort", "bitonic")),
+    ("attention", ("_decode_split", "_decode_reduce", "sparse_attention", "flash")),
+    ("host gather (PCIe)", ("_host_gather",)),
+    ("scatter rows", ("_scatter_rows",)),
+    ("rmsnorm", ("_rms_norm",)),
+    ("gemm (weights)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitKreduce")),
+    ("memcpy / memset", ("memcpy", "Memcpy", "memset", "Memset")),
+    ("sort / scan (torch)", ("sort", "Sort", "scan", "Scan", "cumsum", "cub::")),
+    ("index / gather (torch)", ("index", "gather", "scatter", "Index")),
+    ("reduce (torch)", ("reduce", "Reduce")),
+    ("elementwise (torch)", ("elementwise", "Elementwise")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    for kind, keys in KERNEL_KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+def profile_kernels(engine, steps: int, top: int = 30) -> dict:
+    """`steps` decode steps as the benchmark runs them (CUDA graphs) under torch.profiler.
+    -> {"ms": {kind: ms per step}, "total_ms", "steps", "kernels": [{name, kind, calls, us} per step]}."""
+    from torch.profiler import ProfilerActivity, profile
+    engine.step()                       # warm: the profiled steps replay captured graphs
+    torch.cuda.synchronize()
+    done = 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            if not engine.scheduler.running:
+                break
+            engine.step()
+            done += 1
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = ev.time_range.elapsed_us()
+        c, u = per.get(ev.name, (0, 0.0))
+        per[ev.name] = (c + 1, u + t)
+    n = max(1, done)
+    kernels = sorted(({"name": k[:120], "kind": kernel_kind(k), "calls": c / n, "us": u / n}
+                      for k, (c, u) in per.items()), key=lambda r: -r["us"])
+    ms: dict[str, float] = {}
+    for r in kernels:
+        ms[r["kind"]] = ms.get(r["kind"], 0.0) + r["us"] / 1e3
+    return {"ms": dict(sorted(ms.items(), key=lambda kv: -kv[1])), "total_ms": sum(ms.values()), "steps": done,
+            "kernels": kernels[:top], "kernels_per_step": sum(r["calls"] for r in kernels),
+            "method": "torch.profiler kernel times over CUDA-graph decode steps"}
 
 
 def measure(engine, steps: int) -> dict:

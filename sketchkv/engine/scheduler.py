@@ -2,10 +2,14 @@
 
 Continuous batching with chunked prefill: every running sequence decodes one token, then the
 remaining token budget of the step goes to prompt chunks (several prompts may advance in one
-step), so a long prefill never stalls the others' decode. When KV blocks run out, the newest
+step). A chunk over a long context takes seconds (attention over 250K tokens of prefix), so while
+sequences decode, prompt chunks are capped (max_prefill_tokens_while_decoding) and steps that carry
+one alternate with decode-only steps by wall time (decode_time_share): a long prefill slows the
+others' decode by a known share instead of stalling it for its whole length. When KV blocks run out, the newest
 running sequence is preempted by recompute: its blocks and state slot are freed and it returns
 to the front of the queue with every token it has (prompt + generated), so nothing is lost.
 """
+import time
 from collections import deque
 
 from sketchkv.config import SchedulerConfig
@@ -34,6 +38,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # prompt fully cached; decoding
         self.num_preemptions = 0
+        # decode/prefill time sharing: seconds decode-only steps are owed (< 0) or ahead (>= 0) while
+        # both kinds of work wait; a step carrying prompt tokens may run when it is >= 0
+        self._balance = 0.0
+        self._step_start: float | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -46,6 +54,7 @@ class Scheduler:
         """(sequence, number of new tokens to run) for this step."""
         batch: list[tuple[Sequence, int]] = []
         budget = self.cfg.max_num_batched_tokens
+        self._step_start = time.perf_counter()
         for seq in list(self.running):
             if seq not in self.running:          # preempted below by an older sequence
                 continue
@@ -61,6 +70,12 @@ class Scheduler:
             batch.append((seq, 1 + k))
             budget -= 1 + k
         in_flight = len(self.running)
+        if batch and self.waiting and self.cfg.decode_time_share > 0:
+            if self._balance < 0:
+                return batch                     # a decode-only step: prefill had its share
+            budget = min(budget, self.cfg.max_prefill_tokens_while_decoding)
+        else:
+            self._balance = 0.0
         for seq in list(self.waiting):
             if budget <= 0:
                 break
@@ -87,6 +102,16 @@ class Scheduler:
             budget -= n
             in_flight += 1
         return batch
+
+    def _share_time(self, batch) -> None:
+        """Charge the step's wall time to decode (credit) or to prefill (debt) while both wait."""
+        if self._step_start is None or not self.running or not self.waiting:
+            return
+        dt, share = time.perf_counter() - self._step_start, self.cfg.decode_time_share
+        if any(seq.status == Status.WAITING for seq, _ in batch):
+            self._balance -= dt * share
+        else:  # no credit beyond one step: a long decode-only stretch buys no long prefill burst later
+            self._balance = min(self._balance + dt * (1 - share), dt * (1 - share))
 
     def _num_drafts(self, seq: Sequence, budget: int) -> int:
         """Draft tokens to verify after seq's last token this step (0: plain decode)."""
@@ -137,6 +162,7 @@ class Scheduler:
         advance: tokens now cached per sequence when not all of its rows were kept (speculative
         steps: the accepted drafts are already appended, the step's new token not yet); blocks that
         only rejected rows used are freed."""
+        self._share_time(batch)
         for i, (seq, n) in enumerate(batch):
             if advance is not None:
                 n = advance[i]

@@ -167,25 +167,32 @@ class TensorParallelWorkers:
         if not self.procs:
             return
         atexit.unregister(self.shutdown)
+        told = False
         try:
             if all(p.is_alive() for p in self.procs):
                 self.call("exit")
+                told = True
         except RuntimeError:  # a worker died meanwhile (the gloo link is closed): nothing to tell
             pass
-        finally:
-            for p in self.procs:
-                p.join(timeout)
-            self.kill()
+        if told and dist.is_initialized():
+            # together with the workers, which tear theirs down on "exit": NCCL's teardown meets its
+            # peers, so rank 0 must not wait for them to exit first (that hung on the H200s)
+            dist.destroy_process_group()
+        for p in self.procs:
+            p.join(timeout)
+        self.kill()
 
     def kill(self) -> None:
-        """Without a goodbye (a failed start): terminate the workers, drop the group."""
+        """Without a goodbye (a failed start, a dead worker): terminate the workers, abort the group
+        (a destroy would wait for the peers that are gone)."""
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
         self.procs = []
         if dist.is_initialized():
-            dist.destroy_process_group()
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            abort() if abort is not None and dist.get_backend() == "nccl" else dist.destroy_process_group()
 
 
 class TensorParallelRunner:
