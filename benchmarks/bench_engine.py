@@ -102,17 +102,21 @@ def decode_during_prefill(args) -> dict:
     with the decode rows every step): their tok/s before and during that prefill, whether any step left
     them without a token (issue 6: their decode must not stop), and the prefill's own tok/s under load."""
     b, ctx, pre = args.interference_batch, args.contexts[0], args.interference_prefill
-    during = pre // max(1, args.prefill_chunk - b) + 2        # steps the prefill takes
-    max_tokens = args.steps + during + 16
+    # the agents decode through the whole prefill: with decode/prefill time sharing that is about
+    # share / (1 - share) x the prefill's time in decode-only steps (~20 ms each on the 27B shape)
+    max_tokens = args.steps + 20000
     blocks = b * math.ceil((ctx + max_tokens) / 64) + math.ceil(pre / 64) + 2 * args.prefill_chunk // 64 + 8
-    llm = LLM(f"random:{args.preset}", max_num_seqs=b + 1, max_model_len=max(ctx + max_tokens, pre + 64),
+    llm = LLM(f"random:{args.preset}", max_num_seqs=b + 2, max_model_len=max(ctx + max_tokens, pre + 64),
               num_kv_blocks=blocks, max_num_batched_tokens=args.prefill_chunk)
     eng, vocab = llm.engine, llm.engine.model_config.vocab_size
+    sched = eng.cfg.scheduler
     sp1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    # compile / autotune the prefill chunk shapes first (another prompt: no prefix-cache hit later)
-    llm.generate(prompt_token_ids=[torch.randint(0, vocab, (min(pre, 2 * args.prefill_chunk),)).tolist()],
-                 sampling_params=sp1)
     seqs = fill_sequences(llm, b, ctx, max_tokens)
+    # compile / autotune the chunk shapes of a prefill beside decoding agents first (another prompt: no
+    # prefix-cache hit later)
+    warm = eng.add_request(torch.randint(0, vocab, (2 * sched.max_prefill_tokens_while_decoding,)).tolist(), sp1)
+    while warm.first_token_time is None:
+        eng.step()
     before = b / time_decode(llm, args.steps)
     new = eng.add_request(torch.randint(0, vocab, (pre,)).tolist(), sp1)
     sync()

@@ -16,6 +16,7 @@ temperature 0). Random-weight models accept ~nothing: the numbers mean something
 trained MTP layer.
 """
 import argparse
+import gc
 import json
 import os
 import platform
@@ -132,7 +133,9 @@ def main():
             rows[n] = r
             print(f"{style:8s} n={n}: {r['tok_per_s']:8.1f} tok/s  accepted length "
                   f"{r.get('spec_mean_accepted_length', 1.0):.2f}  identical={r['identical_to_baseline']}", flush=True)
+            llm.shutdown()
             del llm
+            gc.collect()   # the engine's reference cycles (CUDA graphs, caches) hold its GPU memory until then
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         for n, r in rows.items():

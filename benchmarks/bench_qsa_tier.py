@@ -152,7 +152,7 @@ def main():
     contexts, prefill_L = [min(L, limit) for L in contexts], min(prefill_L, limit)
     qsa = r.qsa_layers[0]
     gen = torch.Generator(device=llm.engine.device).manual_seed(args.seed)
-    print(f"engine built in {load_s:.0f} s: {r.tier!r}", flush=True)
+    print(f"engine built in {load_s:.0f} s, {len(r.graphs)} CUDA graphs: {r.tier!r}", flush=True)
     points = []
     for L in contexts:   # printed as they come: a run cut short still says what it measured
         points.append(decode_point(llm, L, args, gen))
@@ -169,7 +169,7 @@ def main():
     shape["qsa_layers"] = len(r.qsa_layers)
     shape["params"] = sum(p.numel() for p in r.model.parameters())
     res = {"device": dev, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "model": args.model,
-           "shape": shape, "host_format": args.host_format, "hot_fraction": args.hot_fraction, "load_s": load_s,
+           "shape": shape, "host_format": args.host_format, "hot_fraction": args.hot_fraction, "load_s": load_s, "cuda_graphs": len(r.graphs),
            "tier": repr(r.tier), "qsa_memory": mem, "points": points, "prefill": prefill,
            "flatness_beyond_budget": flat, "flat_within_10pct": flat is not None and flat <= 0.10,
            "seed_pcie_mib_per_token": SEED_MIB_PER_TOKEN}

@@ -152,6 +152,18 @@ def run_interpreter_tests(test_file: str, already_interpreted: bool) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _schedules_without_wall_time(monkeypatch):
+    """Engines in tests schedule by tokens alone (decode_time_share=0, vLLM's chunked prefill): with
+    wall-time sharing, which steps mix prompt chunks with decode rows depends on the machine's speed,
+    and the tests that compare two engines token for token would compare different batchings.
+    tests/test_scheduler.py sets the share explicitly (an explicit value wins)."""
+    import functools
+    from sketchkv.config import SchedulerConfig
+    monkeypatch.setattr(SchedulerConfig, "__init__",
+                        functools.partialmethod(SchedulerConfig.__init__, decode_time_share=0.0))
+
+
+@pytest.fixture(autouse=True)
 def _free_gpu_memory_after_test(request):
     """An engine sizes its KV cache from the free GPU memory: free the last test's engines (reference
     cycles, CUDA-graph pools) before the next test builds its own or allocates real-size tensors."""

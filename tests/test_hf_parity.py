@@ -60,3 +60,19 @@ def test_batched_decode_matches_single(tiny_checkpoint, model_type):
     together = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
     alone = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0].token_ids for p in prompts]
     assert together == alone
+
+
+def test_moe_static_routing_matches_the_expert_loop():
+    """The decode path (every expert over every token, weighted by the routing; CUDA-graph capturable)
+    gives the prefill path's result (a loop over the experts that got tokens)."""
+    from sketchkv.layers.mlp import SparseMoE
+    torch.manual_seed(0)
+    moe = SparseMoE(hidden=48, moe_intermediate=32, num_experts=16, top_k=4, norm_topk_prob=True, shared_intermediate=24)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(9, 48)
+    probs = torch.softmax(moe.gate(x).float(), -1)
+    w, e = torch.topk(probs, 4, -1)
+    w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+    torch.testing.assert_close(moe._all_experts(x, w, e), moe._experts_with_tokens(x, w, e), rtol=1e-5, atol=1e-6)
+    assert moe(x).shape == x.shape and x.shape[0] <= moe.STATIC_MAX_TOKENS

@@ -1,5 +1,6 @@
 """Turns a scheduled batch into tensors, runs the model, samples. Owns the KV cache, the Gated
 DeltaNet state slots and the decode CUDA graphs."""
+import logging
 import itertools
 import math
 
@@ -12,13 +13,14 @@ from sketchkv.errors import CapacityError, RequestError
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.gated_deltanet import GatedDeltaNet
 from sketchkv.layers.indexed_attention import IndexedAttention
-from sketchkv.layers.mlp import SparseMoE
 from sketchkv.layers.sampler import SampleOutput, sample
 from sketchkv.kv.state_cache import StateCache
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.layers.tiered_attention import TieredAttention, TieredIndexedAttention, TieredKV
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.parallel.comm import agree_min
+
+logger = logging.getLogger("sketchkv")
 
 
 class ModelRunner:
@@ -88,10 +90,15 @@ class ModelRunner:
             # every rank sizes its own device; the block manager on rank 0 must fit them all
             self.num_blocks = cfg.cache.num_kv_blocks or agree_min(self._blocks_from_budget())
             self._allocate_kv(self.num_blocks)
-        # The MoE block picks its experts on the host (a sync), which a CUDA graph cannot hold.
-        has_moe = any(isinstance(m, SparseMoE) for m in model.modules())
-        if device.type == "cuda" and not cfg.enforce_eager and not has_moe:
-            self._capture_graphs()
+        # (MoE blocks route decode-sized batches through every expert with fixed shapes: capturable)
+        if device.type == "cuda" and not cfg.enforce_eager:
+            try:
+                self._capture_graphs()
+            except RuntimeError as e:  # a decode path that cannot be captured: eager, and say so
+                self.graphs.clear()
+                torch.cuda.synchronize(device)
+                logger.warning("CUDA graph capture failed, decoding eagerly (enforce_eager=True hides this): %s",
+                               str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def _install_sparse_attention(self) -> None:
         """Swap each full-attention layer's dense core for the sparse one, with its slice of the basis."""

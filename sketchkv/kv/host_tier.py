@@ -72,10 +72,12 @@ class HostTier:
                                  pin=device.type == "cuda", device=device)
         n_res = num_state_slots * self.width + 1
         self.dump_row = n_res - 1
-        self.res_k = torch.zeros(num_layers, n_res, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.res_v = torch.zeros_like(self.res_k)
         self.hot = HotBuffer(num_layers, self.store.num_slots, pool_rows, num_kv_heads, head_dim, dtype, device,
-                             fraction=hot_fraction, min_rows=min(64, pool_rows), max_seqs=num_state_slots + 1)
+                             fraction=hot_fraction, min_rows=min(64, pool_rows), max_seqs=num_state_slots + 1,
+                             extra_rows=n_res)
+        # resident rows after the hot pool's, in its tensors: a step's rows come from either in one gather
+        self.res_base = pool_rows + 1
+        self.res_k, self.res_v = self.hot.rows_k[:, self.res_base:], self.hot.rows_v[:, self.res_base:]
         self.pad_pid = self.hot.add_sequence(rows=0)    # CUDA-graph padding rows: an empty partition
         self.max_part_rows = max(1, min(pool_rows, self.hot.rows_for(max_model_len)))
         self.selector_bytes_per_block = selector_bytes_per_block  # the layers' selector state (sketch | QSA keys)
@@ -203,10 +205,8 @@ class HostTier:
         res = torch.where(sink | tail, res, self.dump_row)
         slots = positions_to_slots(block_tables, p, self.block_size, valid=pick)
         hot_rows = self.hot.lookup(layer, slots)
-        hit = (hot_rows >= 0)[..., None, None]
-        hr = torch.where(hot_rows >= 0, hot_rows, self.hot.dump_row)
-        k = torch.where(hit, self.hot.k[layer][hr], self.res_k[layer][res])
-        v = torch.where(hit, self.hot.v[layer][hr], self.res_v[layer][res])
+        src = torch.where(hot_rows >= 0, hot_rows, self.res_base + res)   # a hot row, else a resident one
+        k, v = self.hot.rows_k[layer][src], self.hot.rows_v[layer][src]
         miss = torch.where(pick & (hot_rows < 0), slots, -1)
         self.store.gather(layer, miss.flatten(), k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D),
                           sort=True)

@@ -50,18 +50,21 @@ MAX_INT16_ROWS = torch.iinfo(torch.int16).max  # pools up to this many rows map 
 class HotBuffer:
     def __init__(self, num_layers: int, num_host_slots: int, capacity_rows: int, num_kv_heads: int,
                  head_dim: int, dtype=torch.bfloat16, device="cpu", *, fraction: float = 0.025,
-                 window: int = 16, min_rows: int = 64, max_seqs: int = 256):
+                 window: int = 16, min_rows: int = 64, max_seqs: int = 256, extra_rows: int = 0):
         """num_host_slots: HostKVStore.num_slots (keys are < this). capacity_rows: P, the pool size
         shared by all sequences. fraction / min_rows: a sequence of n tokens gets
-        max(min_rows, ceil(fraction * n)) rows. window: W of windowed CLOCK."""
+        max(min_rows, ceil(fraction * n)) rows. window: W of windowed CLOCK. extra_rows: rows the
+        caller keeps after the pool's in the same tensors (`rows_k` / `rows_v`), so that one index
+        reads a pool row or one of its own (the host tier's sinks and recent ring)."""
         assert window >= 1
         self.L, self.S, self.P = num_layers, num_host_slots, capacity_rows
         self.Hkv, self.D, self.dtype = num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
         self.fraction, self.window, self.min_rows = fraction, window, min_rows
         dev, L, P = self.device, num_layers, capacity_rows
-        self.k = torch.zeros(L, P + 1, num_kv_heads, head_dim, dtype=dtype, device=dev)
-        self.v = torch.zeros_like(self.k)
+        self.rows_k = torch.zeros(L, P + 1 + extra_rows, num_kv_heads, head_dim, dtype=dtype, device=dev)
+        self.rows_v = torch.zeros_like(self.rows_k)
+        self.k, self.v = self.rows_k[:, :P + 1], self.rows_v[:, :P + 1]   # the pool (views)
         # 2 B per host slot while pool rows fit int16 (the seed's "2-byte slot"), else 4 B
         map_dtype = torch.int16 if P <= MAX_INT16_ROWS else torch.int32
         self.map = torch.full((L, num_host_slots + 1), -1, dtype=map_dtype, device=dev)  # [.., S]: dump

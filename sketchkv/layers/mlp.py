@@ -49,14 +49,34 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
+        if x.shape[0] <= self.STATIC_MAX_TOKENS or torch.cuda.is_current_stream_capturing():
+            out = self._all_experts(x, weights, experts)
+        else:
+            out = self._experts_with_tokens(x, weights, experts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    # batches up to this many tokens (decode, CUDA-graph buckets) take the static path: its cost is one
+    # read of every expert's weights, the compute on a few hundred tokens is small beside it
+    STATIC_MAX_TOKENS = 256
+
+    def _all_experts(self, x, weights, experts):
+        """Every expert over every token (batched GEMMs), weighted by the routing (0 for experts not
+        picked): fixed shapes and no host sync, so decode steps can be CUDA graphs. Reads each
+        expert's weights once per step, which a decode step of a few tokens reads anyway."""
+        w = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, weights)
+        xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)                    # [E, T, H]
+        gate, up = torch.bmm(xe, self.experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.experts.down_proj.transpose(1, 2))   # [E, T, H]
+        return torch.einsum("eth,te->th", y, w)
+
+    def _experts_with_tokens(self, x, weights, experts):
+        """Loop over the experts that got tokens (the expert list is read on the host): prefill."""
         out = torch.zeros_like(x)
-        # Loop over the experts that got tokens; fine for decode and CPU. A grouped GEMM is the
-        # GPU upgrade for large MoE models.
         for e in torch.unique(experts).tolist():
             tok, slot = torch.where(experts == e)
             gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.experts.down_proj[e])
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

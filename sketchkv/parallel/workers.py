@@ -80,6 +80,19 @@ def _join_group(rank: int, world: int, port: int, device: torch.device):
     return dist.new_group(backend="gloo", timeout=CALL_TIMEOUT)
 
 
+def _teardown() -> None:
+    """Drop this process's groups. NCCL: abort, on every rank: a destroy waits on its peers and hung on
+    the H200s even with both ranks inside it (run 2 of 2026-11-29, CUDA graphs still holding the
+    communicator)."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.get_backend() == "nccl":
+        abort()
+    else:
+        dist.destroy_process_group()
+
+
 def _exit_with_parent() -> None:
     parent = os.getppid()
 
@@ -120,7 +133,7 @@ def _worker(cfg, rank: int, port: int, device: torch.device, dtype: torch.dtype)
             except SketchKVError:  # rank 0 meets the same one-line error and reports it
                 pass
     finally:
-        dist.destroy_process_group()
+        _teardown()
 
 
 def _free_port() -> int:
@@ -174,25 +187,20 @@ class TensorParallelWorkers:
                 told = True
         except RuntimeError:  # a worker died meanwhile (the gloo link is closed): nothing to tell
             pass
-        if told and dist.is_initialized():
-            # together with the workers, which tear theirs down on "exit": NCCL's teardown meets its
-            # peers, so rank 0 must not wait for them to exit first (that hung on the H200s)
-            dist.destroy_process_group()
+        if told:  # together with the workers, which tear theirs down on "exit"
+            _teardown()
         for p in self.procs:
             p.join(timeout)
         self.kill()
 
     def kill(self) -> None:
-        """Without a goodbye (a failed start, a dead worker): terminate the workers, abort the group
-        (a destroy would wait for the peers that are gone)."""
+        """Without a goodbye (a failed start, a dead worker): terminate the workers, drop the group."""
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
         self.procs = []
-        if dist.is_initialized():
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            abort() if abort is not None and dist.get_backend() == "nccl" else dist.destroy_process_group()
+        _teardown()
 
 
 class TensorParallelRunner:
