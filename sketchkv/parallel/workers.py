@@ -80,10 +80,16 @@ def _join_group(rank: int, world: int, port: int, device: torch.device):
     return dist.new_group(backend="gloo", timeout=CALL_TIMEOUT)
 
 
-def _teardown() -> None:
-    """Drop this process's groups. NCCL: abort, on every rank: a destroy waits on its peers and hung on
-    the H200s even with both ranks inside it (run 2 of 2026-11-29, CUDA graphs still holding the
-    communicator)."""
+def _teardown(runner=None) -> None:
+    """Drop this process's groups, after the runner's CUDA graphs: NCCL keeps a communicator alive while
+    captured graphs hold work on it, so a destroy (or abort) with the graphs alive waits forever (both
+    hung on the H200s, 2026-11-29, both ranks inside them). NCCL: abort, on every rank."""
+    if runner is not None and runner.graphs:
+        import gc
+        runner.graphs.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -133,7 +139,7 @@ def _worker(cfg, rank: int, port: int, device: torch.device, dtype: torch.dtype)
             except SketchKVError:  # rank 0 meets the same one-line error and reports it
                 pass
     finally:
-        _teardown()
+        _teardown(runner)
 
 
 def _free_port() -> int:
@@ -175,8 +181,9 @@ class TensorParallelWorkers:
     def call(self, method: str, *args) -> None:
         dist.broadcast_object_list([(method, args)], src=0, group=self.calls)
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Workers leave their loop and exit; the group is torn down. Idempotent."""
+    def shutdown(self, timeout: float = 30.0, runner=None) -> None:
+        """Workers leave their loop and exit; the group is torn down (after rank 0's `runner`'s CUDA
+        graphs). Idempotent."""
         if not self.procs:
             return
         atexit.unregister(self.shutdown)
@@ -188,7 +195,7 @@ class TensorParallelWorkers:
         except RuntimeError:  # a worker died meanwhile (the gloo link is closed): nothing to tell
             pass
         if told:  # together with the workers, which tear theirs down on "exit"
-            _teardown()
+            _teardown(runner)
         for p in self.procs:
             p.join(timeout)
         self.kill()
