@@ -451,8 +451,9 @@ class ModelRunner:
             self.g_resident_rows = torch.full((max_bs,), self.tier.dump_row, dtype=torch.int64, device=dev)
             self.g_hot_pids = torch.full((max_bs,), self.tier.pad_pid, dtype=torch.int64, device=dev)
         pool = None
-        # dense graphs, sparse graphs (with the host tier every decode is sparse)
-        families = [True] if self.tier is not None else [False, True] if self.sparse_layers else [False]
+        # the values ctx.sparse takes at decode (see _context): dense and sparse graphs; with the host tier
+        # every sketch decode is sparse; QSA layers (no sketch layers) select inside the "dense" family
+        families = ([True] if self.tier is not None else [False, True]) if self.sparse_layers else [False]
         for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:
             ctx = self._graph_context(bs)
             ctx.sparse = sparse
