@@ -40,6 +40,7 @@ class SparseConfig:
     dense_threshold: int | None = field(default=None, metadata={"help": "contexts up to this run dense (default: sink+top_k+recent)"})
     shared_selection: bool = field(default=True, metadata={"help": "one pick per layer shared by all KV heads (else per KV head)"})
     head_combine: str = field(default="sum", metadata={"help": "how the query heads' sketch scores combine into one pick: sum (the seed's sum of raw scores; one dot per KV head) | softmax (sum of per-head softmax probabilities, i.e. estimated attention mass: better picks with a weak basis, ~10x the scoring cost today) | max"})
+    selector: str = field(default="sketch", metadata={"help": "what scores the candidates: sketch (the int4 low-rank key sketch) | exact (every full key: dense cost; the oracle the sketch approximates, for quality evaluation; not with the host tier)"})
     basis: str | None = field(default=None, metadata={"help": "key basis file (default: MODEL/key_basis.safetensors)"})
     host_tier: bool = field(default=False, metadata={"help": "full-attention K/V live in host RAM; the GPU keeps the selector's state (sketch, or on qwen4_exp the QSA block keys), sinks, recent tail and a hot buffer (needs sparse, except on qwen4_exp: its QSA indexer selects)"})
     host_format: str = field(default="int4", metadata={"help": "host rows: int4 | int8 | bf16"})

@@ -335,3 +335,47 @@ def test_speculative_verification_sparse_per_position_is_exact(ckpt_with_basis, 
     assert got == ref
     idx, counts = llm.engine.runner.sparse_layers[0].last_indices
     assert (counts == 4 + 16 + 8).all()  # the sparse path ran on the verified rows
+
+
+@pytest.mark.parametrize("combine", ["sum", "softmax", "max"])
+def test_exact_key_scores_against_direct_dot(combine):
+    """The oracle selector's scores: each query head against each full key of the paged cache, the same
+    candidates (not sinks, not recent, not beyond the sequence) and combines as the sketch scores."""
+    from sketchkv.ops.sketch import combine_heads, exact_key_scores
+    g = torch.Generator().manual_seed(5)
+    B, Hkv, G, D, bs, nblk = 2, 2, 3, 16, 8, 12
+    k_cache = torch.randn(nblk, bs, Hkv, D, generator=g)
+    tables = torch.tensor([[3, 1, 7, 0, 5], [2, 9, 4, 11, 6]], dtype=torch.int32)
+    lens = torch.tensor([37, 29], dtype=torch.int32)
+    q = torch.randn(B, Hkv, G, D, generator=g)
+    got = exact_key_scores(q, k_cache, tables, lens, 3, 5, 40, shared=True, combine=combine, sm_scale=0.25)
+    per_q = torch.full((B, Hkv, G, 40), float("-inf"))
+    for b in range(B):
+        for t in range(3, int(lens[b]) - 5):
+            key = k_cache[tables[b, t // bs], t % bs]                       # [Hkv, D]
+            per_q[b, :, :, t] = torch.einsum("hgd,hd->hg", q[b], key)
+    torch.testing.assert_close(got, combine_heads(per_q, True, combine, 0.25))
+    assert torch.isinf(got[0, 0, :3]).all() and torch.isinf(got[0, 0, 32:]).all() and torch.isfinite(got[0, 0, 3:32]).all()
+
+
+def test_exact_selector_runs_in_the_engine_and_is_refused_with_the_tier(ckpt_with_basis):
+    """selector=exact: top_k >= context gives dense; a small k picks by the full keys (the picks differ
+    from the sketch's somewhere); with the host tier (no GPU K/V) it is refused in one line."""
+    from sketchkv.errors import RequestError
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    p = [_prompt(300, 4)]
+    dense = LLM(ckpt_with_basis, device="cpu", block_size=16).generate(prompt_token_ids=p, sampling_params=sp)[0]
+    full = LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=SparseConfig(
+        sparse=True, top_k=4096, sink_tokens=4, recent_tokens=8, dense_threshold=0, selector="exact"))
+    assert full.generate(prompt_token_ids=p, sampling_params=sp)[0].token_ids == dense.token_ids
+    picks = {}
+    for selector in ("sketch", "exact"):
+        llm = LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=SparseConfig(
+            sparse=True, top_k=16, sink_tokens=4, recent_tokens=8, dense_threshold=0, selector=selector))
+        llm.generate(prompt_token_ids=p, sampling_params=sp)
+        idx, counts = llm.engine.runner.sparse_layers[0].last_indices
+        assert counts.tolist() == [4 + 16 + 8]
+        picks[selector] = idx.clone()
+    assert not torch.equal(picks["sketch"], picks["exact"])
+    with pytest.raises(RequestError, match="not with sparse_host_tier"):
+        LLM(ckpt_with_basis, device="cpu", sparse=SparseConfig(sparse=True, selector="exact", host_tier=True))

@@ -40,6 +40,10 @@ class ModelRunner:
             raise RequestError("sparse_host_tier needs sparse decode (sparse=True): the tier serves the sparse picks")
         if sp.head_combine not in ("sum", "max", "softmax"):
             raise RequestError(f"sparse_head_combine must be sum, max or softmax, got {sp.head_combine!r}")
+        if sp.selector not in ("sketch", "exact"):
+            raise RequestError(f"sparse_selector must be sketch or exact, got {sp.selector!r}")
+        if sp.selector == "exact" and sp.host_tier:
+            raise RequestError("sparse_selector=exact scores the full keys in GPU memory: not with sparse_host_tier")
         if sp.host_tier and not sp.shared_selection and not qsa:
             raise RequestError("sparse_host_tier needs sparse_shared_selection=True (one pick per token for all KV heads)")
         if sp.host_tier and cfg.num_speculative_tokens:

@@ -13,7 +13,7 @@ import torch
 from sketchkv.config import SparseConfig
 from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
-from sketchkv.ops.sketch import quantize_int4, sketch_score
+from sketchkv.ops.sketch import exact_key_scores, quantize_int4, sketch_score
 from sketchkv.ops.sparse_attention import sparse_attention
 from sketchkv.ops.topk import topk_positions
 from sketchkv.parallel.comm import reduce_selection_scores
@@ -68,9 +68,13 @@ class SparseAttention(Attention):
         qg = q.float().view(B, self.num_kv_heads, G, self.head_dim)
         if c.head_combine == "sum":  # scores are linear in q: one dot per KV head with the group sum
             qg = qg.sum(2, keepdim=True)
-        qp = torch.einsum("bhgd,hdr->bhgr", qg, self.basis)
-        scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens, c.sink_tokens,
-                              c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale)
+        if c.selector == "exact":  # the oracle: full keys instead of the sketch (evaluation)
+            scores = exact_key_scores(qg, self.k_cache, block_tables, seq_lens, c.sink_tokens, c.recent_tokens,
+                                      max_len, c.shared_selection, c.head_combine, self.scale)
+        else:
+            qp = torch.einsum("bhgd,hdr->bhgr", qg, self.basis)
+            scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens, c.sink_tokens,
+                                  c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale)
         if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
             scores = reduce_selection_scores(scores, c.head_combine)
         picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL)

@@ -75,6 +75,12 @@ def sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
         blocks = block_tables[b, : (n + bs - 1) // bs].long()
         s = dequantize_int4(sketch[blocks].flatten(0, 1)[:n], scale[blocks].flatten(0, 1)[:n])  # [n, Hkv, r]
         per_q[b, :, :, lo:hi] = torch.einsum("hgr,thr->hgt", qp[b].float(), s)[:, :, lo:hi]
+    return combine_heads(per_q, shared, combine, sm_scale)
+
+
+def combine_heads(per_q: torch.Tensor, shared: bool, combine: str, sm_scale: float) -> torch.Tensor:
+    """per_q [B, Hkv, G, N] scores of every query head (-inf = not a candidate) -> [B, 1 or Hkv, N]."""
+    Hkv = per_q.shape[1]
     if combine == "softmax":
         return softmax_combine(per_q.flatten(1, 2), Hkv, shared, sm_scale)
     if combine == "sum":
@@ -84,6 +90,23 @@ def sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
         per_head = per_q.amax(2)
         return per_head.amax(1, keepdim=True) if shared else per_head
     raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+
+
+def exact_key_scores(q, k_cache, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
+                     shared: bool = True, combine: str = "sum", sm_scale: float = 1.0) -> torch.Tensor:
+    """The oracle the sketch approximates: q [B, Hkv, G, D] against the full keys of the paged cache
+    k_cache [num_blocks, block_size, Hkv, D] -> scores [B, 1 or Hkv, max_len], same candidates and
+    combine as sketch_score. Reads every key (dense cost): for evaluating selection, not for speed."""
+    B, Hkv, G, D = q.shape
+    bs = k_cache.shape[1]
+    nb = -(-max_len // bs)
+    k = k_cache[block_tables[:, :nb].long().clamp_min(0)].flatten(1, 2)[:, :max_len]      # [B, max_len, Hkv, D]
+    per_q = torch.einsum("bhgd,bthd->bhgt", q.float(), k.float())
+    t = torch.arange(max_len, device=q.device)[None]
+    n = seq_lens.long()[:, None]
+    cand = (t >= sinks) & (t < n - recent)
+    per_q = per_q.masked_fill(~cand[:, None, None], float("-inf"))
+    return combine_heads(per_q, shared, combine, sm_scale)
 
 
 if triton is not None:
