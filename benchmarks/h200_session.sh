@@ -52,6 +52,9 @@ case " $STAGES " in *" agents "*)
     case $run in
       # 8 x 250K goal, tok/s vs agents and vs context, step breakdown: 9 points, ~5-6 min
       sparse) A="$M27 --configs sparse --agents 1 4 8 --contexts 32K 128K 250K --fill random --breakdown";;
+      # the fused scratch composition (ops/tier_gather.py; interpreter-tested, first GPU run) against run 11's 52.0 ms at
+      # 8 x 250K: flip SparseConfig.tier_kernel's default if it wins: ~4 min
+      sparse-triton) A="$M27 --configs sparse --agents 1 8 --contexts 32K 250K --fill random --breakdown --sparse-tier-kernel triton";;
       # dense on the same grid where it fits (the arithmetic skips 4+ x 250K and 8 x 128K): ~3-4 min
       dense) A="$M27 --configs dense --agents 1 4 8 --contexts 32K 128K 250K --fill random --breakdown";;
       # cold prefill of one 250K-token document (goal >= 8K tok/s; ~4K tok/s = 64 s today) + follow-up TTFT: ~3-4 min

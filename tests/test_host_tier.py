@@ -558,6 +558,56 @@ def test_gpu_step_has_no_host_sync_and_matches_cpu():
     assert torch.equal(hbs[0].k[:, :-1].cpu(), hbs[1].k[:, :-1]) and torch.equal(hbs[0].ref.cpu(), hbs[1].ref)
 
 
+# ---- the scratch composition kernel (ops/tier_gather.py) under the interpreter ------------------------
+
+def _compose_case(map_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, N, bs, S, R, P, Hkv, D = 3, 40, 16, 4, 8, 50, 2, 16
+    n_state, width = 4, S + R
+    n_res = n_state * width + 1
+    lens = torch.tensor([300, 37, 120], dtype=torch.int32)
+    tables = torch.randperm(64, generator=g)[:60].view(3, 20).int()
+    pos = torch.full((B, N), SENTINEL, dtype=torch.int32)
+    counts = torch.tensor([40, 20, 33], dtype=torch.int32)
+    for b in range(B):
+        n = int(lens[b])
+        picks = torch.randperm(max(1, n - S - R), generator=g)[: int(counts[b]) - 6] + S
+        chosen = torch.cat([torch.arange(2), picks, torch.arange(n - 4, n)]).unique().sort().values
+        counts[b] = len(chosen)
+        pos[b, : len(chosen)] = chosen.int()
+    slots_total = 64 * bs
+    hot_map = torch.full((slots_total + 1,), -1, dtype=map_dtype)
+    hot_slots = torch.randperm(slots_total, generator=g)[:400]
+    hot_map[hot_slots] = torch.randint(0, P, (400,), generator=g).to(map_dtype)
+    rows_k = torch.randn(P + 1 + n_res, Hkv, D, generator=g)
+    rows_v = torch.randn(P + 1 + n_res, Hkv, D, generator=g)
+    state_slots = torch.tensor([2, 0, 3])
+    kw = dict(sinks=S, recent=R, width=width, block_size=bs, res_base=P + 1, dump_row=n_res - 1, Np=48)
+    return (pos, counts, lens, state_slots, tables, hot_map), (rows_k, rows_v), P, kw
+
+
+@needs_interp
+@pytest.mark.parametrize("map_dtype", [torch.int16, torch.int32])
+def test_interp_compose_rows_kernel_vs_ref(map_dtype):
+    """The fused scratch composition = the PyTorch reference: miss keys, every non-miss row (sinks and
+    recent ring from the resident rows, hits from the hot pool, padding from the dump row), the
+    reference bits of the hits, the hit / miss counters."""
+    from sketchkv.ops.tier_gather import compose_rows_ref, compose_rows_triton
+    sel, (rk, rv), P, kw = _compose_case(map_dtype)
+    outs = []
+    for fn in (compose_rows_ref, compose_rows_triton):
+        ref_bits = torch.zeros(P + 1, dtype=torch.uint8)
+        counters = torch.zeros(4, dtype=torch.int64)
+        k, v, miss = fn(*sel, ref_bits, rk, rv, counters, **kw)
+        outs.append((k, v, miss, ref_bits, counters))
+    (k0, v0, m0, r0, c0), (k1, v1, m1, r1, c1) = outs
+    assert torch.equal(m0, m1) and (m0 >= 0).any() and (m0 < 0).any()
+    keep = m0 < 0
+    assert torch.equal(k0[keep], k1[keep]) and torch.equal(v0[keep], v1[keep])
+    assert torch.equal(r0[:P], r1[:P]) and r0.sum() > 0
+    assert torch.equal(c0, c1) and c0[0] > 0 and c0[1] == (m0 >= 0).sum()
+
+
 # ---- interpreter child -------------------------------------------------------------------------------
 
 def test_interpreter_child():

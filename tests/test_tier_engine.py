@@ -234,16 +234,18 @@ def test_tier_config_errors(ckpt_with_basis):
 # ---- kernels of one tiered step under the interpreter ----------------------------------------------
 
 @needs_interp
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_interp_tier_step_matches_reference(fmt):
-    """HostTier.gather (zero-copy gather kernel for misses) + the paged decode kernel over the compact
-    scratch equals exact attention over the same rows dequantised by the reference."""
+def test_interp_tier_step_matches_reference(fmt, kernel):
+    """HostTier.gather (scratch composition: PyTorch or the fused kernel; zero-copy gather kernel for
+    misses) + the paged decode kernel over the compact scratch equals exact attention over the same
+    rows dequantised by the reference."""
     from sketchkv.kv.host_tier import ATTN_BLOCK, HostTier
     from sketchkv.ops.sparse_attention import sparse_attention_ref
     torch.manual_seed(0)
     Hq, Hkv, D, bs, S, R = 4, 2, 32, 16, 4, 8
     tier = HostTier(1, 12, bs, Hkv, D, fmt=fmt, sinks=S, recent=R, hot_fraction=0.1, num_state_slots=3,
-                    max_model_len=160, pool_rows=64, dtype=torch.float32, device=torch.device("cpu"))
+                    max_model_len=160, pool_rows=64, dtype=torch.float32, device=torch.device("cpu"), kernel=kernel)
     lens = [70, 37]
     tables = torch.tensor([[3, 5, 1, 7, 9], [2, 4, 6, -1, -1]], dtype=torch.int32)
     k = torch.randn(2, 80, Hkv, D)
@@ -296,7 +298,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_tier_step_in_cuda_graph_matches_reference():
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_gpu_tier_step_in_cuda_graph_matches_reference(kernel):
     """27B head shape (4 KV heads x 256), bf16 rows in pinned memory: one tiered step (gather: resident
     sinks / tail, hot hits, zero-copy misses -> paged kernel over the scratch -> admit) captured in a
     CUDA graph and replayed with new picks equals the sparse kernel over a GPU cache of the same rows;
@@ -308,7 +311,7 @@ def test_gpu_tier_step_in_cuda_graph_matches_reference():
     Hq, Hkv, D, bs, S, R, L = 24, 4, 256, 64, 64, 1024, 1
     lens, nblk = [12000, 7000], 200
     tier = HostTier(L, nblk, bs, Hkv, D, fmt="bf16", sinks=S, recent=R, hot_fraction=0.025, num_state_slots=3,
-                    max_model_len=16384, pool_rows=4096, dtype=torch.bfloat16, device=dev)
+                    max_model_len=16384, pool_rows=4096, dtype=torch.bfloat16, device=dev, kernel=kernel)
     assert tier.store.buf.is_pinned()
     width = 190
     perm = torch.randperm(nblk - 1) + 1
@@ -433,9 +436,10 @@ def test_gpu_tier_engine_matches_tier_off(gpu_ckpt):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_tier_decode_step_no_host_sync(gpu_ckpt):
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_gpu_tier_decode_step_no_host_sync(gpu_ckpt, kernel):
     """One eager tiered decode forward (write, select, gather, attention, admit) with sync debug = error."""
-    llm = LLM(gpu_ckpt, **{**GPU_OPTS, "enforce_eager": True}, sparse_host_tier=True)
+    llm = LLM(gpu_ckpt, **{**GPU_OPTS, "enforce_eager": True}, sparse_host_tier=True, sparse_tier_kernel=kernel)
     eng = llm.engine
     g = torch.Generator().manual_seed(1)
     eng.add_request(torch.randint(3, 500, (5000,), generator=g).tolist(),

@@ -42,6 +42,8 @@ class ModelRunner:
             raise RequestError(f"sparse_head_combine must be sum, max or softmax, got {sp.head_combine!r}")
         if sp.selector not in ("sketch", "exact"):
             raise RequestError(f"sparse_selector must be sketch or exact, got {sp.selector!r}")
+        if sp.tier_kernel not in ("torch", "triton"):
+            raise RequestError(f"sparse_tier_kernel must be torch or triton, got {sp.tier_kernel!r}")
         if sp.selector == "exact" and sp.host_tier:
             raise RequestError("sparse_selector=exact scores the full keys in GPU memory: not with sparse_host_tier")
         if sp.host_tier and not sp.shared_selection and not qsa:
@@ -220,7 +222,8 @@ class ModelRunner:
                                  fmt=sp.host_format, sinks=sp.sink_tokens, recent=sp.recent_tokens,
                                  hot_fraction=sp.hot_fraction, num_state_slots=self.num_state_slots,
                                  max_model_len=self.max_model_len, pool_rows=pool_rows, dtype=self.dtype,
-                                 device=self.device, selector_bytes_per_block=self.selector_bytes_per_block)
+                                 device=self.device, selector_bytes_per_block=self.selector_bytes_per_block,
+                                 kernel=sp.tier_kernel)
             for m in self.tier_layers:
                 m.tier = self.tier
         for m in self.qsa_layers:  # block keys, paged like the KV; one extra (dump) row

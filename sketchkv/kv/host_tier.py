@@ -37,6 +37,7 @@ import torch
 from sketchkv.errors import CapacityError
 from sketchkv.kv.host_store import HostKVStore, TierStats, positions_to_slots
 from sketchkv.kv.hot_buffer import HotBuffer
+from sketchkv.ops.tier_gather import compose_rows
 
 SENTINEL = torch.iinfo(torch.int32).max
 ATTN_BLOCK = 16  # the compact scratch is read by the paged decode kernel as blocks of this many rows
@@ -63,8 +64,9 @@ class HostTier:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  fmt: str, sinks: int, recent: int, hot_fraction: float, num_state_slots: int,
                  max_model_len: int, pool_rows: int, dtype: torch.dtype, device: torch.device,
-                 selector_bytes_per_block: int = 0):
+                 selector_bytes_per_block: int = 0, kernel: str = "torch"):
         self.L, self.block_size, self.Hkv, self.D, self.dtype = num_layers, block_size, num_kv_heads, head_dim, dtype
+        self.kernel = kernel                            # the scratch composition: "torch" | "triton" (ops/tier_gather.py)
         self.sinks, self.recent = sinks, max(recent, 1)
         self.width = sinks + self.recent                # resident rows per state slot
         self.max_model_len = max_model_len
@@ -194,20 +196,11 @@ class HostTier:
         keys [B, Np] (host slot of each row read from host memory, -1 elsewhere: what to admit)."""
         B, N = pos.shape
         Np = -(-N // ATTN_BLOCK) * ATTN_BLOCK
-        p = torch.nn.functional.pad(pos.long(), (0, Np - N), value=SENTINEL)
-        dev = p.device
-        valid = torch.arange(Np, device=dev)[None] < counts.long()[:, None]
-        n = seq_lens.long()[:, None]
-        sink = valid & (p < self.sinks)
-        tail = valid & ~sink & (p >= torch.clamp(n - self.recent, min=self.sinks))
-        pick = valid & ~sink & ~tail
-        res = state_slots.long()[:, None] * self.width + torch.where(sink, p, self.sinks + p % self.recent)
-        res = torch.where(sink | tail, res, self.dump_row)
-        slots = positions_to_slots(block_tables, p, self.block_size, valid=pick)
-        hot_rows = self.hot.lookup(layer, slots)
-        src = torch.where(hot_rows >= 0, hot_rows, self.res_base + res)   # a hot row, else a resident one
-        k, v = self.hot.rows_k[layer][src], self.hot.rows_v[layer][src]
-        miss = torch.where(pick & (hot_rows < 0), slots, -1)
+        k, v, miss = compose_rows(pos, counts, seq_lens, state_slots, block_tables, self.hot.map[layer],
+                                  self.hot.ref[layer], self.hot.rows_k[layer], self.hot.rows_v[layer],
+                                  self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent,
+                                  width=self.width, block_size=self.block_size, res_base=self.res_base,
+                                  dump_row=self.dump_row, Np=Np)
         self.store.gather(layer, miss.flatten(), k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D),
                           sort=True)
         return k, v, miss

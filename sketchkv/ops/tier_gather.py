@@ -1,0 +1,129 @@
+"""The host tier's compact K/V scratch for one layer and step: every selected row's source in one pass.
+
+For each sequence b and scratch row j (position p = pos[b, j], the first counts[b] valid):
+  sink   p < sinks                         -> the resident row  slot * width + p
+  tail   p >= max(seq_len - recent, sinks) -> the resident ring slot * width + sinks + p % recent
+  pick   otherwise: host slot = block_tables[b, p // bs] * bs + p % bs, looked up in the hot map:
+         a hot row (hit: its reference bit is set) or a miss (miss[b, j] = the slot; the caller's
+         zero-copy gather fills the row from pinned host memory)
+Rows past counts[b] copy the resident dump row (never read by attention). The hot pool and the
+resident rows are one tensor per layer (`HotBuffer.rows_k/rows_v`: pool rows 0..P, then resident
+rows from `res_base`), so every non-miss row is one copy from it. Hit and miss counts are added to
+`counters` ([hits, misses, ...], int64 on the device).
+
+`compose_rows_ref` is the PyTorch formulation (~20 small kernels); `compose_rows_triton` does the
+classification, the lookup and the copy in one kernel (one program per sequence and ROWS rows):
+interpreter-tested against the reference, not yet measured on a GPU (the engine's default stays
+the reference: SparseConfig.tier_kernel).
+"""
+import os
+
+import torch
+
+from sketchkv.kv.host_store import positions_to_slots
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+SENTINEL = torch.iinfo(torch.int32).max
+
+
+def compose_rows_ref(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v, counters,
+                     *, sinks: int, recent: int, width: int, block_size: int, res_base: int, dump_row: int, Np: int):
+    """pos [B, N] ascending, SENTINEL-padded; hot_map [num_slots + 1] (the layer's; last entry: dump),
+    hot_ref [P + 1] uint8, rows_k / rows_v [P + 1 + n_res, Hkv, D] -> k, v [B, Np, Hkv, D] and miss [B, Np]
+    (host slot of each row to read from host memory, -1 elsewhere)."""
+    B, N = pos.shape
+    p = torch.nn.functional.pad(pos.long(), (0, Np - N), value=SENTINEL)
+    dev = p.device
+    valid = torch.arange(Np, device=dev)[None] < counts.long()[:, None]
+    n = seq_lens.long()[:, None]
+    sink = valid & (p < sinks)
+    tail = valid & ~sink & (p >= torch.clamp(n - recent, min=sinks))
+    pick = valid & ~sink & ~tail
+    res = state_slots.long()[:, None] * width + torch.where(sink, p, sinks + p % recent)
+    res = torch.where(sink | tail, res, dump_row)
+    slots = positions_to_slots(block_tables, p, block_size, valid=pick)
+    dump_key = hot_map.shape[0] - 1
+    hot = hot_map[torch.where(slots >= 0, slots, dump_key)].long()
+    hot = torch.where(slots >= 0, hot, -1)
+    hit = hot >= 0
+    hot_ref.index_fill_(0, torch.where(hit, hot, hot_ref.shape[0] - 1).flatten(), 1)
+    counters[0] += hit.sum()
+    counters[1] += (pick & ~hit).sum()
+    src = torch.where(hit, hot, res_base + res)
+    miss = torch.where(pick & ~hit, slots, -1)
+    return rows_k[src], rows_v[src], miss
+
+
+if triton is not None:
+
+    @triton.jit
+    def _compose_rows_kernel(pos_ptr, counts_ptr, lens_ptr, sslot_ptr, bt_ptr, map_ptr, ref_ptr,
+                             rk_ptr, rv_ptr, ok_ptr, ov_ptr, miss_ptr, cnt_ptr,
+                             N, Np, W, hot_dump, stride_pb, stride_btb,
+                             SINKS: tl.constexpr, RECENT: tl.constexpr, WIDTH: tl.constexpr, BS: tl.constexpr,
+                             RES_BASE: tl.constexpr, DUMP_ROW: tl.constexpr, HD: tl.constexpr, ROWS: tl.constexpr):
+        b = tl.program_id(0)
+        j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        inside = j < Np
+        p = tl.load(pos_ptr + b * stride_pb + j, mask=j < N, other=2147483647).to(tl.int64)
+        count = tl.load(counts_ptr + b)
+        n = tl.load(lens_ptr + b).to(tl.int64)
+        sslot = tl.load(sslot_ptr + b).to(tl.int64)
+        valid = inside & (j < count)
+        sink = valid & (p < SINKS)
+        tail = valid & (p >= SINKS) & (p >= tl.maximum(n - RECENT, SINKS))
+        pick = valid & (p >= SINKS) & (p < tl.maximum(n - RECENT, SINKS))
+        res = tl.where(sink, sslot * WIDTH + p, sslot * WIDTH + SINKS + p % RECENT)
+        res = tl.where(sink | tail, res, DUMP_ROW)
+        blk_i = p // BS
+        in_table = pick & (blk_i < W)
+        blk = tl.load(bt_ptr + b * stride_btb + blk_i, mask=in_table, other=-1).to(tl.int64)
+        has_slot = in_table & (blk >= 0)
+        slot = blk * BS + p % BS
+        hot = tl.load(map_ptr + slot, mask=has_slot, other=-1).to(tl.int64)
+        hit = has_slot & (hot >= 0)
+        miss = has_slot & (hot < 0)
+        tl.store(ref_ptr + hot, tl.full([ROWS], 1, tl.uint8), mask=hit)
+        tl.atomic_add(cnt_ptr, tl.sum(hit.to(tl.int64), 0))
+        tl.atomic_add(cnt_ptr + 1, tl.sum(miss.to(tl.int64), 0))
+        tl.store(miss_ptr + b * Np + j, tl.where(miss, slot, -1), mask=inside)
+        src = tl.where(hit, hot, RES_BASE + res)
+        e = tl.arange(0, HD)
+        m = (inside & ~miss)[:, None]
+        out = (b * Np + j).to(tl.int64)[:, None] * HD + e[None, :]
+        tl.store(ok_ptr + out, tl.load(rk_ptr + src[:, None] * HD + e[None, :], mask=m), mask=m)
+        tl.store(ov_ptr + out, tl.load(rv_ptr + src[:, None] * HD + e[None, :], mask=m), mask=m)
+
+
+def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v,
+                        counters, *, sinks: int, recent: int, width: int, block_size: int, res_base: int,
+                        dump_row: int, Np: int, rows_per_program: int = 16, num_warps: int = 4):
+    """As compose_rows_ref; miss rows are left for the caller's host gather (not copied)."""
+    B, N = pos.shape
+    Hkv, D = rows_k.shape[1:]
+    HD = Hkv * D
+    assert HD & (HD - 1) == 0, "Hkv * head_dim must be a power of two"
+    assert rows_k.is_contiguous() or rows_k[0].is_contiguous()
+    k = torch.empty(B, Np, Hkv, D, dtype=rows_k.dtype, device=rows_k.device)
+    v = torch.empty_like(k)
+    miss = torch.empty(B, Np, dtype=torch.int64, device=rows_k.device)
+    pos, tables = pos.contiguous(), block_tables.contiguous()
+    grid = (B, triton.cdiv(Np, rows_per_program))
+    _compose_rows_kernel[grid](pos, counts, seq_lens, state_slots, tables, hot_map, hot_ref, rows_k, rows_v,
+                               k, v, miss, counters, N, Np, tables.shape[1], hot_ref.shape[0] - 1,
+                               pos.stride(0), tables.stride(0), SINKS=sinks, RECENT=recent, WIDTH=width,
+                               BS=block_size, RES_BASE=res_base, DUMP_ROW=dump_row, HD=HD, ROWS=rows_per_program,
+                               num_warps=num_warps)
+    return k, v, miss
+
+
+def compose_rows(*args, kernel: str = "torch", **kw):
+    """kernel: "torch" (the reference, the engine's default) or "triton" (CUDA, or TRITON_INTERPRET=1)."""
+    if kernel == "triton" and triton is not None and (args[7].is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return compose_rows_triton(*args, **kw)
+    return compose_rows_ref(*args, **kw)
