@@ -582,7 +582,7 @@ def _compose_case(map_dtype, seed=0):
     rows_k = torch.randn(P + 1 + n_res, Hkv, D, generator=g)
     rows_v = torch.randn(P + 1 + n_res, Hkv, D, generator=g)
     state_slots = torch.tensor([2, 0, 3])
-    kw = dict(sinks=S, recent=R, width=width, block_size=bs, res_base=P + 1, dump_row=n_res - 1, Np=48)
+    kw = dict(sinks=S, recent=R, ring=R, width=width, block_size=bs, res_base=P + 1, dump_row=n_res - 1, Np=48)
     return (pos, counts, lens, state_slots, tables, hot_map), (rows_k, rows_v), P, kw
 
 

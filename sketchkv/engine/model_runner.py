@@ -48,9 +48,6 @@ class ModelRunner:
             raise RequestError("sparse_selector=exact scores the full keys in GPU memory: not with sparse_host_tier")
         if sp.host_tier and not sp.shared_selection and not qsa:
             raise RequestError("sparse_host_tier needs sparse_shared_selection=True (one pick per token for all KV heads)")
-        if sp.host_tier and cfg.num_speculative_tokens:
-            raise RequestError("sparse_host_tier with num_speculative_tokens > 0 is not supported yet (several decode "
-                               "rows of one sequence in a tiered step)")
         if qsa and (sp.sparse or cfg.num_speculative_tokens):
             raise RequestError("qwen4_exp layers select with their own QSA indexer: sketch sparse decode (sparse=True) "
                                "and speculative decoding are not supported with them; the host tier needs only "
@@ -223,7 +220,7 @@ class ModelRunner:
                                  hot_fraction=sp.hot_fraction, num_state_slots=self.num_state_slots,
                                  max_model_len=self.max_model_len, pool_rows=pool_rows, dtype=self.dtype,
                                  device=self.device, selector_bytes_per_block=self.selector_bytes_per_block,
-                                 kernel=sp.tier_kernel)
+                                 kernel=sp.tier_kernel, ring_extra=self.cfg.num_speculative_tokens)
             for m in self.tier_layers:
                 m.tier = self.tier
         for m in self.qsa_layers:  # block keys, paged like the KV; one extra (dump) row
@@ -252,7 +249,7 @@ class ModelRunner:
                                 f"({host_per_block} B per block of {self.block_size} tokens; raise sparse_host_budget_gb)")
         row = hot_row_bytes(L, c.num_kv_heads, c.head_dim, self.dtype)
         fixed = HostTier.fixed_gpu_bytes(L, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype,
-                                         sp.sink_tokens, sp.recent_tokens, self.num_state_slots) \
+                                         sp.sink_tokens, sp.recent_tokens + self.cfg.num_speculative_tokens, self.num_state_slots) \
             + num_blocks * self.selector_bytes_per_block
         budget = None
         if sp.gpu_budget_gb is not None:

@@ -7,9 +7,11 @@ Owns, for the tiered layers (every full-attention layer, numbered 0..L-1 in mode
             blocks: the GPU holds no paged K/V for these layers, only the selector's state per block
             (int4 key sketch, or QSA pooled block keys).
   resident  per GDN/state slot, the sink rows and a ring of the recent rows, in the model dtype:
-            res_k / res_v [L, num_state_slots * (S + R) + 1, Hkv, D] (the last row absorbs masked
-            writes). Token p of the sequence in state slot s lives at row s*(S+R) + p (p < S) or
-            s*(S+R) + S + p % R (the recent ring; only the last R tokens of a step are written).
+            res_k / res_v [L, num_state_slots * (S + Rr) + 1, Hkv, D] (the last row absorbs masked
+            writes). Token p of the sequence in state slot s lives at row s*(S+Rr) + p (p < S) or
+            s*(S+Rr) + S + p % Rr (the recent ring; only the last Rr tokens of a step are written).
+            Rr = R + ring_extra: with n draft rows per sequence in a verification step, row i reads
+            its own last R tokens, which reach n positions below the step's last R (ring_extra = n).
   hot       HotBuffer: picked rows, one partition per sequence (hot_fraction of its tokens),
             windowed CLOCK; keyed by host slot, so prefix-shared blocks hit across sequences.
 
@@ -64,11 +66,12 @@ class HostTier:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  fmt: str, sinks: int, recent: int, hot_fraction: float, num_state_slots: int,
                  max_model_len: int, pool_rows: int, dtype: torch.dtype, device: torch.device,
-                 selector_bytes_per_block: int = 0, kernel: str = "torch"):
+                 selector_bytes_per_block: int = 0, kernel: str = "torch", ring_extra: int = 0):
         self.L, self.block_size, self.Hkv, self.D, self.dtype = num_layers, block_size, num_kv_heads, head_dim, dtype
         self.kernel = kernel                            # the scratch composition: "torch" | "triton" (ops/tier_gather.py)
         self.sinks, self.recent = sinks, max(recent, 1)
-        self.width = sinks + self.recent                # resident rows per state slot
+        self.ring = self.recent + ring_extra            # the recent ring's rows (>= the tail window R)
+        self.width = sinks + self.ring                  # resident rows per state slot
         self.max_model_len = max_model_len
         self.store = HostKVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, fmt,
                                  pin=device.type == "cuda", device=device)
@@ -147,8 +150,8 @@ class HostTier:
         """Row of token `pos` in `resident` when a step ends at `end` tokens (dump: not kept)."""
         if pos < self.sinks:
             return state_slot * self.width + pos
-        if pos >= end - self.recent:
-            return state_slot * self.width + self.sinks + pos % self.recent
+        if pos >= end - self.ring:
+            return state_slot * self.width + self.sinks + pos % self.ring
         return self.dump_row
 
     def prepare(self, batch) -> None:
@@ -198,7 +201,7 @@ class HostTier:
         Np = -(-N // ATTN_BLOCK) * ATTN_BLOCK
         k, v, miss = compose_rows(pos, counts, seq_lens, state_slots, block_tables, self.hot.map[layer],
                                   self.hot.ref[layer], self.hot.rows_k[layer], self.hot.rows_v[layer],
-                                  self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent,
+                                  self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent, ring=self.ring,
                                   width=self.width, block_size=self.block_size, res_base=self.res_base,
                                   dump_row=self.dump_row, Np=Np)
         self.store.gather(layer, miss.flatten(), k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D),

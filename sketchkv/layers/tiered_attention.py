@@ -12,7 +12,8 @@ tail); K/V rows go to the host tier (sketchkv.kv.host_tier): every forward write
 recent ring.
 
 Decode (every step, any context length: when the selection covers the context the picks are every
-token, so this is also the dense path): select -> tier.gather (sinks and tail from the resident
+token, so this is also the dense path; in a speculative verification step every row of a sequence,
+its token and its drafts, selects and reads for its own position): select -> tier.gather (sinks and tail from the resident
 rows, picks from the hot buffer or, on a miss, straight from pinned host memory) into a compact K/V
 scratch -> the paged decode kernel over that scratch -> admit the misses to the hot buffer. Fixed
 shapes and no host sync: CUDA-graph capturable.
@@ -57,6 +58,12 @@ class TieredKV:
         out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      tables, counts, self.scale)
+        if sub is not None and ctx.num_drafts and any(ctx.num_drafts):
+            # verification: a sequence's rows (its token + drafts) are consecutive and pick nearly the same
+            # rows; the hot buffer's CLOCK places one row's misses per partition, so the first row's admit
+            first = torch.ones_like(sub, dtype=torch.bool)
+            first[1:] = sub[1:] != sub[:-1]
+            miss = torch.where(first[:, None], miss, -1)
         self.tier.hot.admit(self.layer, pids, miss, k, v, max_cap=self.tier.max_part_rows if graph else None)
         return out
 

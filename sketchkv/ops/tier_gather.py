@@ -2,7 +2,8 @@
 
 For each sequence b and scratch row j (position p = pos[b, j], the first counts[b] valid):
   sink   p < sinks                         -> the resident row  slot * width + p
-  tail   p >= max(seq_len - recent, sinks) -> the resident ring slot * width + sinks + p % recent
+  tail   p >= max(seq_len - recent, sinks) -> the resident ring slot * width + sinks + p % ring
+         (ring >= recent: verification rows of one sequence share a ring of recent + drafts rows)
   pick   otherwise: host slot = block_tables[b, p // bs] * bs + p % bs, looked up in the hot map:
          a hot row (hit: its reference bit is set) or a miss (miss[b, j] = the slot; the caller's
          zero-copy gather fills the row from pinned host memory)
@@ -32,7 +33,8 @@ SENTINEL = torch.iinfo(torch.int32).max
 
 
 def compose_rows_ref(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v, counters,
-                     *, sinks: int, recent: int, width: int, block_size: int, res_base: int, dump_row: int, Np: int):
+                     *, sinks: int, recent: int, ring: int, width: int, block_size: int, res_base: int,
+                     dump_row: int, Np: int):
     """pos [B, N] ascending, SENTINEL-padded; hot_map [num_slots + 1] (the layer's; last entry: dump),
     hot_ref [P + 1] uint8, rows_k / rows_v [P + 1 + n_res, Hkv, D] -> k, v [B, Np, Hkv, D] and miss [B, Np]
     (host slot of each row to read from host memory, -1 elsewhere)."""
@@ -44,7 +46,7 @@ def compose_rows_ref(pos, counts, seq_lens, state_slots, block_tables, hot_map, 
     sink = valid & (p < sinks)
     tail = valid & ~sink & (p >= torch.clamp(n - recent, min=sinks))
     pick = valid & ~sink & ~tail
-    res = state_slots.long()[:, None] * width + torch.where(sink, p, sinks + p % recent)
+    res = state_slots.long()[:, None] * width + torch.where(sink, p, sinks + p % ring)
     res = torch.where(sink | tail, res, dump_row)
     slots = positions_to_slots(block_tables, p, block_size, valid=pick)
     dump_key = hot_map.shape[0] - 1
@@ -65,7 +67,8 @@ if triton is not None:
     def _compose_rows_kernel(pos_ptr, counts_ptr, lens_ptr, sslot_ptr, bt_ptr, map_ptr, ref_ptr,
                              rk_ptr, rv_ptr, ok_ptr, ov_ptr, miss_ptr, cnt_ptr,
                              N, Np, W, hot_dump, stride_pb, stride_btb,
-                             SINKS: tl.constexpr, RECENT: tl.constexpr, WIDTH: tl.constexpr, BS: tl.constexpr,
+                             SINKS: tl.constexpr, RECENT: tl.constexpr, RING: tl.constexpr, WIDTH: tl.constexpr,
+                             BS: tl.constexpr,
                              RES_BASE: tl.constexpr, DUMP_ROW: tl.constexpr, HD: tl.constexpr, ROWS: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
@@ -78,7 +81,7 @@ if triton is not None:
         sink = valid & (p < SINKS)
         tail = valid & (p >= SINKS) & (p >= tl.maximum(n - RECENT, SINKS))
         pick = valid & (p >= SINKS) & (p < tl.maximum(n - RECENT, SINKS))
-        res = tl.where(sink, sslot * WIDTH + p, sslot * WIDTH + SINKS + p % RECENT)
+        res = tl.where(sink, sslot * WIDTH + p, sslot * WIDTH + SINKS + p % RING)
         res = tl.where(sink | tail, res, DUMP_ROW)
         blk_i = p // BS
         in_table = pick & (blk_i < W)
@@ -101,7 +104,7 @@ if triton is not None:
 
 
 def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v,
-                        counters, *, sinks: int, recent: int, width: int, block_size: int, res_base: int,
+                        counters, *, sinks: int, recent: int, ring: int, width: int, block_size: int, res_base: int,
                         dump_row: int, Np: int, rows_per_program: int = 16, num_warps: int = 4):
     """As compose_rows_ref; miss rows are left for the caller's host gather (not copied)."""
     B, N = pos.shape
@@ -116,7 +119,7 @@ def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_ma
     grid = (B, triton.cdiv(Np, rows_per_program))
     _compose_rows_kernel[grid](pos, counts, seq_lens, state_slots, tables, hot_map, hot_ref, rows_k, rows_v,
                                k, v, miss, counters, N, Np, tables.shape[1], hot_ref.shape[0] - 1,
-                               pos.stride(0), tables.stride(0), SINKS=sinks, RECENT=recent, WIDTH=width,
+                               pos.stride(0), tables.stride(0), SINKS=sinks, RECENT=recent, RING=ring, WIDTH=width,
                                BS=block_size, RES_BASE=res_base, DUMP_ROW=dump_row, HD=HD, ROWS=rows_per_program,
                                num_warps=num_warps)
     return k, v, miss
