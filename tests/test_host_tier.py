@@ -398,10 +398,21 @@ def test_clock_one_lap_per_step_and_capacity():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_clock_matches_sequential_reference(seed):
+    _clock_vs_sequential(seed, "torch")
+
+
+@needs_interp
+@pytest.mark.parametrize("seed", range(4))
+def test_interp_clock_admit_kernel_matches_sequential_reference(seed):
+    """sketchkv/ops/clock_admit.py (one program per sequence) = the sequential CLOCK, like the PyTorch admit."""
+    _clock_vs_sequential(seed, "triton")
+
+
+def _clock_vs_sequential(seed, kernel):
     rnd = random.Random(seed)
     W = rnd.choice([1, 2, 3, 8])
     caps = [rnd.choice([3, 7, 16, 20]) for _ in range(3)]
-    hb = HotBuffer(2, 10_000, sum(caps) + 5, 2, 16, torch.float32, window=W, min_rows=1)
+    hb = HotBuffer(2, 10_000, sum(caps) + 5, 2, 16, torch.float32, window=W, min_rows=1, kernel=kernel)
     pids = [hb.add_sequence(rows=c) for c in caps]
     refs = [[SequentialClock(c, W) for c in caps] for _ in range(2)]
     universes = [list(range(1000 * (b + 1), 1000 * (b + 1) + 3 * caps[b])) for b in range(3)]
@@ -439,7 +450,16 @@ def test_clock_matches_sequential_reference(seed):
 
 
 def test_hot_buffer_shared_keys_dedup_and_lifecycle():
-    hb = HotBuffer(1, 1000, 20, 1, 16, torch.float32, window=4, min_rows=1)
+    _shared_keys_dedup_and_lifecycle("torch")
+
+
+@needs_interp
+def test_interp_clock_admit_kernel_shared_keys_and_lifecycle():
+    _shared_keys_dedup_and_lifecycle("triton")
+
+
+def _shared_keys_dedup_and_lifecycle(kernel):
+    hb = HotBuffer(1, 1000, 20, 1, 16, torch.float32, window=4, min_rows=1, kernel=kernel)
     a, b = hb.add_sequence(rows=6), hb.add_sequence(rows=6)
     # both sequences miss key 7 (a prefix-shared block) and 8 twice: admitted once, by the first
     rows, placed = hb_step(hb, 0, [a, b], [[7, 8, 8], [7, 9]])

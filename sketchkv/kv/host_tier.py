@@ -79,7 +79,7 @@ class HostTier:
         self.dump_row = n_res - 1
         self.hot = HotBuffer(num_layers, self.store.num_slots, pool_rows, num_kv_heads, head_dim, dtype, device,
                              fraction=hot_fraction, min_rows=min(64, pool_rows), max_seqs=num_state_slots + 1,
-                             extra_rows=n_res)
+                             extra_rows=n_res, kernel=kernel)
         # resident rows after the hot pool's, in its tensors: a step's rows come from either in one gather
         self.res_base = pool_rows + 1
         self.res_k, self.res_v = self.hot.rows_k[:, self.res_base:], self.hot.rows_v[:, self.res_base:]

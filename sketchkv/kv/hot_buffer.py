@@ -38,11 +38,14 @@ partition in tiles (the hand's lap bounds it by capacity), plus the map updates;
 from the host but the per-step tensors, so it stays graph-capturable.
 """
 import math
+import os
 
 import torch
 
 from sketchkv.errors import CapacityError
 from sketchkv.kv.host_store import TierCounters, TierStats
+
+from sketchkv.ops import clock_admit
 
 MAX_INT16_ROWS = torch.iinfo(torch.int16).max  # pools up to this many rows map host slots in 2 B
 
@@ -50,7 +53,8 @@ MAX_INT16_ROWS = torch.iinfo(torch.int16).max  # pools up to this many rows map 
 class HotBuffer:
     def __init__(self, num_layers: int, num_host_slots: int, capacity_rows: int, num_kv_heads: int,
                  head_dim: int, dtype=torch.bfloat16, device="cpu", *, fraction: float = 0.025,
-                 window: int = 16, min_rows: int = 64, max_seqs: int = 256, extra_rows: int = 0):
+                 window: int = 16, min_rows: int = 64, max_seqs: int = 256, extra_rows: int = 0,
+                 kernel: str = "torch"):
         """num_host_slots: HostKVStore.num_slots (keys are < this). capacity_rows: P, the pool size
         shared by all sequences. fraction / min_rows: a sequence of n tokens gets
         max(min_rows, ceil(fraction * n)) rows. window: W of windowed CLOCK. extra_rows: rows the
@@ -61,6 +65,7 @@ class HotBuffer:
         self.Hkv, self.D, self.dtype = num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
         self.fraction, self.window, self.min_rows = fraction, window, min_rows
+        self.kernel = kernel  # admit: "torch" (this file) | "triton" (sketchkv/ops/clock_admit.py, one kernel)
         dev, L, P = self.device, num_layers, capacity_rows
         self.rows_k = torch.zeros(L, P + 1 + extra_rows, num_kv_heads, head_dim, dtype=dtype, device=dev)
         self.rows_v = torch.zeros_like(self.rows_k)
@@ -216,6 +221,13 @@ class HotBuffer:
         dup_sorted[1:] = sk[1:] == sk[:-1]
         dup = torch.empty_like(dup_sorted).scatter_(0, order, dup_sorted)
         valid &= ~dup.view(B, N)
+        if self.kernel == "triton" and clock_admit.triton is not None and (
+                dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+            return clock_admit.clock_admit_triton(torch.where(valid, keys, -1), pid_t, self.part_base, self.part_cap,
+                                                  self.hand[layer], self.used[layer], self.ref[layer],
+                                                  self.key[layer], self.map[layer], src_k.to(dev, self.dtype),
+                                                  src_v.to(dev, self.dtype), self.k[layer], self.v[layer],
+                                                  self.window, C)
         rank = valid.long().cumsum(1) - 1                  # the admit's index within its sequence
         M = valid.sum(1)
         base, cap = self.part_base[pid_t], self.part_cap[pid_t]

@@ -1,0 +1,124 @@
+"""The hot buffer's admit (windowed CLOCK, sketchkv/kv/hot_buffer.py) as one Triton kernel per layer.
+
+`HotBuffer.admit` is the PyTorch formulation (~30 small kernels per layer and step) and the reference:
+same semantics, spelled out one miss at a time by `SequentialClock` in tests/test_host_tier.py. Here
+one program per sequence of the batch walks its partition:
+  A. its misses in order (tiles, running count): the first `cap - used` fill the free rows in row
+     order; the k-th of the rest is remembered as the k-th CLOCK miss (a scratch list);
+  B. one lap over the rows resident when the step began, from the hand (tiles, running carries):
+     candidates are the unreferenced rows and every W-th row of a run of referenced ones; the c-th
+     candidate is the victim of the c-th CLOCK miss; referenced rows before the last victim lose
+     their bit (all of them when the lap runs out); hand and used advance;
+  C. installs: a victim's old key leaves the map (only where the map still points at it), the new key
+     enters, the row's key and bit are set, its K/V copied from the step's scratch.
+Deduplication over the batch (a prefix-shared miss admitted once) and the "not already resident"
+filter stay in PyTorch before the kernel (`HotBuffer.admit_candidates`).
+Interpreter-tested against the PyTorch admit; not yet measured on a GPU (SparseConfig.tier_kernel).
+"""
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _max(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _clock_admit_kernel(keys_ptr, pids_ptr, base_ptr, cap_ptr, hand_ptr, used_ptr, ref_ptr, key_ptr, map_ptr,
+                            srck_ptr, srcv_ptr, poolk_ptr, poolv_ptr, rows_ptr, misspos_ptr,
+                            N: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HD: tl.constexpr, TN: tl.constexpr,
+                            TC: tl.constexpr, TR: tl.constexpr):
+        # N (misses per row), C (partition capacity bound), W: fixed per engine (constexpr; the interpreter
+        # also needs constant loop bounds)
+        b = tl.program_id(0)
+        pid = tl.load(pids_ptr + b)
+        base = tl.load(base_ptr + pid)
+        cap = tl.load(cap_ptr + pid)
+        hand = tl.load(hand_ptr + pid)
+        used = tl.load(used_ptr + pid)
+        n_free = cap - used
+        lap = tl.maximum(used, 1)
+        # A. ranks of the misses: free rows first, the rest queue for CLOCK
+        M = 0
+        for t in range(0, N, TN):
+            j = t + tl.arange(0, TN)
+            k = tl.load(keys_ptr + b * N + j, mask=j < N, other=-1)
+            v = (k >= 0).to(tl.int64)
+            rank = M + tl.cumsum(v, 0) - 1
+            free = (v > 0) & (rank < n_free)
+            tl.store(rows_ptr + b * N + j, tl.where(free, base + used + rank, -1), mask=j < N)
+            tl.store(misspos_ptr + b * N + (rank - n_free), j.to(tl.int32), mask=(v > 0) & (rank >= n_free))
+            M += tl.sum(v, 0)
+        n_clock = tl.maximum(M - n_free, 0)
+        tl.debug_barrier()
+        # B. one lap from the hand over the rows resident at the step's start
+        last_unref = -1
+        n_cand = 0
+        last_j = -1
+        for t in range(0, C, TC):
+            j = t + tl.arange(0, TC)
+            jm = j < used
+            row = base + (hand + j) % lap
+            refj = (tl.load(ref_ptr + row, mask=jm, other=0) != 0) & jm
+            run = tl.maximum(tl.associative_scan(tl.where(refj, -1, j), 0, _max), last_unref)  # last unreferenced row <= j
+            cand = jm & (~refj | ((j - run) % W == 0))
+            crank = n_cand + tl.cumsum(cand.to(tl.int64), 0) - 1
+            victim = cand & (crank < n_clock)
+            before = crank + 1 - cand.to(tl.int64)   # candidates before j
+            tl.store(ref_ptr + row, tl.zeros([TC], tl.uint8), mask=refj & (before < n_clock))
+            m = tl.load(misspos_ptr + b * N + crank, mask=victim, other=0)
+            tl.store(rows_ptr + b * N + m, row, mask=victim)
+            last_j = tl.maximum(last_j, tl.max(tl.where(victim, j, -1), 0))
+            last_unref = tl.maximum(last_unref, tl.max(tl.where(refj | ~jm, -1, j), 0))
+            n_cand += tl.sum(cand.to(tl.int64), 0)
+        n_placed = tl.minimum(n_clock, n_cand)
+        capc = tl.maximum(cap, 1)
+        new_hand = tl.where(n_clock > n_cand, (hand + used) % capc, tl.where(n_placed > 0, (hand + last_j + 1) % capc, hand))
+        tl.store(hand_ptr + pid, new_hand)
+        tl.store(used_ptr + pid, used + tl.minimum(M, n_free))
+        tl.debug_barrier()
+        # C. installs and row copies
+        e = tl.arange(0, HD)
+        for t in range(0, N, TR):
+            j = t + tl.arange(0, TR)
+            r = tl.load(rows_ptr + b * N + j, mask=j < N, other=-1)
+            ok = r >= 0
+            k = tl.load(keys_ptr + b * N + j, mask=ok, other=0)
+            old = tl.load(key_ptr + r, mask=ok, other=-1)
+            had = ok & (old >= 0)
+            cur = tl.load(map_ptr + old, mask=had, other=-1).to(tl.int64)
+            tl.store(map_ptr + old, tl.full([TR], -1, tl.int64).to(map_ptr.dtype.element_ty), mask=had & (cur == r))
+            tl.store(map_ptr + k, r.to(map_ptr.dtype.element_ty), mask=ok)
+            tl.store(key_ptr + r, k, mask=ok)
+            tl.store(ref_ptr + r, tl.zeros([TR], tl.uint8), mask=ok)
+            src = (b * N + j).to(tl.int64)[:, None] * HD + e[None, :]
+            dst = r[:, None] * HD + e[None, :]
+            tl.store(poolk_ptr + dst, tl.load(srck_ptr + src, mask=ok[:, None]), mask=ok[:, None])
+            tl.store(poolv_ptr + dst, tl.load(srcv_ptr + src, mask=ok[:, None]), mask=ok[:, None])
+
+
+def clock_admit_triton(keys, pids, part_base, part_cap, hand, used, ref, key, hot_map, src_k, src_v, pool_k, pool_v,
+                       window: int, max_cap: int) -> torch.Tensor:
+    """keys [B, N] int64: the misses to admit (deduplicated, not resident; -1 elsewhere); pids [B] int64;
+    hand / used: the layer's [max_seqs] rows; ref / key: the layer's [P + 1]; hot_map: the layer's map;
+    src_k / src_v [B, N, Hkv, D]; pool_k / pool_v: the layer's [rows, Hkv, D]. -> pool rows [B, N] (-1: not
+    admitted). Updates the partitions' hand / used, bits, keys, map and rows in place."""
+    B, N = keys.shape
+    HD = src_k.shape[-1] * src_k.shape[-2]
+    assert HD & (HD - 1) == 0, "Hkv * head_dim must be a power of two"
+    rows = torch.empty(B, N, dtype=torch.int64, device=keys.device)
+    misspos = torch.zeros(B, N, dtype=torch.int32, device=keys.device)
+    if N == 0 or B == 0:
+        return rows
+    _clock_admit_kernel[(B,)](keys.contiguous(), pids, part_base, part_cap, hand, used, ref, key, hot_map,
+                              src_k.contiguous(), src_v.contiguous(), pool_k, pool_v, rows, misspos,
+                              N=N, C=max(max_cap, 1), W=window, HD=HD, TN=triton.next_power_of_2(min(max(N, 16), 1024)),
+                              TC=1024, TR=max(1, 4096 // HD))
+    return rows
