@@ -110,6 +110,16 @@ def add_mtp(path: str, seed: int = 0, std: float = 0.05) -> None:
 
 
 @pytest.fixture
+def ckpt_with_basis_and_mtp(ckpt_with_basis, tmp_path):
+    """A copy of ckpt_with_basis with an MTP layer (the basis fingerprint covers the main model only)."""
+    import shutil
+    path = str(tmp_path / "with_mtp")
+    shutil.copytree(ckpt_with_basis, path)
+    add_mtp(path)
+    return path
+
+
+@pytest.fixture
 def tiny_checkpoint(tmp_path):
     def make(model_type: str, **overrides):
         path = str(tmp_path / model_type)

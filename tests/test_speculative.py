@@ -86,6 +86,17 @@ def _run_with_oracle(llm, prompts, sp, reference, seed=0):
     return [s.output_token_ids for s in seqs]
 
 
+def assert_speculation_keeps_tokens(llm, prompts, sp, ref, drafter: str) -> None:
+    """`llm` (speculative) gives the greedy tokens `ref` of non-speculative decoding, drafting with its
+    MTP layer or with a mostly-right oracle (multi-token acceptance and rollbacks)."""
+    if drafter == "mtp":
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+    else:
+        got = _run_with_oracle(llm, prompts, sp, {tuple(p): p + r for p, r in zip(prompts, ref)})
+        assert llm.engine.runner.spec.metrics()["spec_mean_accepted_length"] > 1.5
+    assert got == ref
+
+
 @pytest.mark.parametrize("n", [3, 7])
 def test_forced_acceptance_multi_token_steps_identical(mtp_ckpt, n):
     """A drafter that is mostly right: steps accept several drafts, sequences in one batch accept

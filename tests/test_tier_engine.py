@@ -494,28 +494,19 @@ def test_tier_metrics_and_flags(ckpt_with_basis):
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "mtp"])
-def test_tier_with_speculative_decoding_same_tokens(ckpt_with_basis, tmp_path, drafter):
+def test_tier_with_speculative_decoding_same_tokens(ckpt_with_basis_and_mtp, drafter):
     """MTP verification over the host tier: each row of a sequence (its token and its drafts) selects and
     reads for its own position (the recent ring holds R + n rows, so the earliest row still finds its
     last R tokens), misses of the first row are admitted, rejected drafts' rows are overwritten later:
     greedy tokens equal the tier without speculation, through chunked prefill and mixed steps."""
-    import shutil
-    from conftest import add_mtp
-    from test_speculative import _run_with_oracle
-    path = str(tmp_path / "with_mtp")
-    shutil.copytree(ckpt_with_basis, path)
-    add_mtp(path)
+    from test_speculative import assert_speculation_keeps_tokens
+    path = ckpt_with_basis_and_mtp
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [_prompt(300, 31), _prompt(150, 32), _prompt(40, 33)]
     kw = dict(dtype="float32", max_num_batched_tokens=128)
     ref = [o.token_ids for o in _llm(path, True, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
     llm = _llm(path, True, num_speculative_tokens=3, **kw)
-    if drafter == "mtp":
-        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
-    else:
-        got = _run_with_oracle(llm, prompts, sp, {tuple(p): p + r for p, r in zip(prompts, ref)})
-        assert llm.engine.runner.spec.metrics()["spec_mean_accepted_length"] > 1.5
-    assert got == ref
+    assert_speculation_keeps_tokens(llm, prompts, sp, ref, drafter)
     tier = llm.engine.runner.tier
     assert tier.ring == 8 + 3 and tier.width == 4 + 11
     s = llm.tier_stats()

@@ -729,6 +729,23 @@ def commands(r: dict) -> list[str]:
     return seen
 
 
+def _breakdown_table(rows, cols, title: str, note: str, sum_label: str, ref: dict) -> list[str]:
+    """Markdown lines: one row per point, ms per step in each column, their sum and the graph step time
+    (plus kernels per step when the profiler counted them)."""
+    counted = "kernels_per_step" in rows[0]["breakdown"]
+    head = "| config | agents x context | " + " | ".join(cols) + f" | {sum_label} | graph step |"
+    head += " kernels/step | cmd |" if counted else " cmd |"
+    out = ["", f"## {title}", "", f"{rows[0]['breakdown']['method']}: {note}", "", head,
+           "|" + "---|" * (len(cols) + 5 + counted)]
+    for row in rows:
+        bd = row["breakdown"]
+        out.append(f"| {row['label']} | {row['agents']} x {C.fmt_len(row['context'])} | "
+                   + " | ".join(f"{bd['ms'].get(k, 0.0):.2f}" for k in cols)
+                   + f" | {bd['total_ms']:.2f} | {bd['graph_step_ms']:.2f} |"
+                   + (f" {bd['kernels_per_step']:.0f} |" if counted else "") + f" [{ref[row['command']]}] |")
+    return out
+
+
 def markdown(r: dict, png: str) -> str:
     info, bw, shp = r["info"], r["bandwidth"], r["shape"]
     cmds = commands(r)
@@ -770,37 +787,22 @@ def markdown(r: dict, png: str) -> str:
                  f"{_gb(m.get('host_bytes_per_agent'))} | {pf['tok_s']:.0f}"
                  f"{'' if pf['mode'] == 'real' else ' (tail)'} | {ttft} | [{ref[row['command']]}] |")
     bds = [row for row in r["rows"] if row.get("status") == "ok" and row.get("breakdown")]
-    kbds = [row for row in bds if "kernels" in row["breakdown"]]
-    bds = [row for row in bds if "kernels" not in row["breakdown"]]
+    kbds = [row for row in bds if "kernels" in row["breakdown"]]   # GPU: profiler over graph steps
+    bds = [row for row in bds if "kernels" not in row["breakdown"]]  # CPU: eager region timers
     if kbds:
         kinds = list(dict.fromkeys(k for row in kbds for k in row["breakdown"]["ms"]))
-        L += ["", "## Step time by kernel kind (CUDA-graph steps; ms per step)", "",
-              f"{kbds[0]['breakdown']['method']}: GPU time of every kernel a step runs, summed by kind "
-              "(`sketchkv/bench/breakdown.py`, KERNEL_KINDS). Kernel sum < graph step: gaps between kernels.", "",
-              "| config | agents x context | " + " | ".join(kinds) + " | kernel sum | graph step | kernels/step | cmd |",
-              "|" + "---|" * (len(kinds) + 6)]
-        for row in kbds:
-            bd = row["breakdown"]
-            L.append(f"| {row['label']} | {row['agents']} x {C.fmt_len(row['context'])} | " +
-                     " | ".join(f"{bd['ms'].get(k, 0.0):.2f}" for k in kinds) +
-                     f" | {bd['total_ms']:.2f} | {bd['graph_step_ms']:.2f} | {bd['kernels_per_step']:.0f} | "
-                     f"[{ref[row['command']]}] |")
+        L += _breakdown_table(kbds, kinds, "Step time by kernel kind (CUDA-graph steps; ms per step)",
+                              "GPU time of every kernel a step runs, summed by kind (`sketchkv/bench/breakdown.py`, "
+                              "KERNEL_KINDS). Kernel sum < graph step: gaps between kernels.", "kernel sum", ref)
         big = kbds[-1]
         L += ["", f"Top kernels of {big['label']}, {big['agents']} x {C.fmt_len(big['context'])} (per step):", "",
               "| kernel | kind | calls | us |", "|---|---|---|---|"]
         L += [f"| `{k['name'][:80]}` | {k['kind']} | {k['calls']:.0f} | {k['us']:.0f} |" for k in big["breakdown"]["kernels"]]
     if bds:
         from sketchkv.bench.breakdown import GROUPS
-        L += ["", "## Step time by layer group (eager steps; ms per step)", "",
-              f"{bds[0]['breakdown']['method']}. Achieved GB/s = the group's bytes (weights, GDN state, sketch, "
-              "K/V rows, PCIe misses) / its time.", "",
-              "| config | agents x context | " + " | ".join(GROUPS) + " | eager sum | graph step | cmd |",
-              "|" + "---|" * (len(GROUPS) + 5)]
-        for row in bds:
-            bd = row["breakdown"]
-            L.append(f"| {row['label']} | {row['agents']} x {C.fmt_len(row['context'])} | " +
-                     " | ".join(f"{bd['ms'][g]:.2f}" for g in GROUPS) +
-                     f" | {bd['total_ms']:.2f} | {bd['graph_step_ms']:.2f} | [{ref[row['command']]}] |")
+        L += _breakdown_table(bds, GROUPS, "Step time by layer group (eager steps; ms per step)",
+                              "Achieved GB/s = the group's bytes (weights, GDN state, sketch, K/V rows, PCIe "
+                              "misses) / its time.", "eager sum", ref)
         L += ["", "| config | agents x context | weights GB/s | GDN GB/s | selection (sketch) GB/s | "
                   "attention + gather (rows) GB/s | PCIe misses GB/s |", "|---|---|---|---|---|---|---|"]
         for row in bds:

@@ -100,7 +100,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device). Idempotent."""
         if self.workers is not None:
-            self.workers.shutdown(runner=self.runner.runner)
+            self.workers.shutdown()
 
     @staticmethod
     def _generation_eos(path: str) -> set[int]:

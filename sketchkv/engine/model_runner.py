@@ -1,7 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model, samples. Owns the KV cache, the Gated
 DeltaNet state slots and the decode CUDA graphs."""
-import logging
 import itertools
+import logging
 import math
 
 import torch
@@ -248,8 +248,9 @@ class ModelRunner:
             raise CapacityError(f"host tier budget {host_budget / 2**30:.3f} GiB holds no KV block "
                                 f"({host_per_block} B per block of {self.block_size} tokens; raise sparse_host_budget_gb)")
         row = hot_row_bytes(L, c.num_kv_heads, c.head_dim, self.dtype)
+        ring = sp.recent_tokens + self.cfg.num_speculative_tokens  # HostTier.ring: verification rows read back
         fixed = HostTier.fixed_gpu_bytes(L, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype,
-                                         sp.sink_tokens, sp.recent_tokens + self.cfg.num_speculative_tokens, self.num_state_slots) \
+                                         sp.sink_tokens, ring, self.num_state_slots) \
             + num_blocks * self.selector_bytes_per_block
         budget = None
         if sp.gpu_budget_gb is not None:

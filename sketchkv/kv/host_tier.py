@@ -68,7 +68,7 @@ class HostTier:
                  max_model_len: int, pool_rows: int, dtype: torch.dtype, device: torch.device,
                  selector_bytes_per_block: int = 0, kernel: str = "torch", ring_extra: int = 0):
         self.L, self.block_size, self.Hkv, self.D, self.dtype = num_layers, block_size, num_kv_heads, head_dim, dtype
-        self.kernel = kernel                            # the scratch composition: "torch" | "triton" (ops/tier_gather.py)
+        self.kernel = kernel                            # "torch" | "triton": ops/tier_gather.py, ops/clock_admit.py
         self.sinks, self.recent = sinks, max(recent, 1)
         self.ring = self.recent + ring_extra            # the recent ring's rows (>= the tail window R)
         self.width = sinks + self.ring                  # resident rows per state slot
@@ -201,9 +201,9 @@ class HostTier:
         Np = -(-N // ATTN_BLOCK) * ATTN_BLOCK
         k, v, miss = compose_rows(pos, counts, seq_lens, state_slots, block_tables, self.hot.map[layer],
                                   self.hot.ref[layer], self.hot.rows_k[layer], self.hot.rows_v[layer],
-                                  self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent, ring=self.ring,
-                                  width=self.width, block_size=self.block_size, res_base=self.res_base,
-                                  dump_row=self.dump_row, Np=Np)
+                                  self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent,
+                                  ring=self.ring, width=self.width, block_size=self.block_size,
+                                  res_base=self.res_base, dump_row=self.dump_row, Np=Np)
         self.store.gather(layer, miss.flatten(), k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D),
                           sort=True)
         return k, v, miss

@@ -32,10 +32,9 @@ scratch the gather wrote. `SequentialClock` in tests/test_host_tier.py spells 1-
 
 This is the PyTorch formulation: CLOCK's scan is a prefix computation over the partition's bits
 (runs of referenced rows -> candidates at every W-th position and at each unreferenced row;
-victims = the first M candidates), ~30 small kernels per layer and step. A fused Triton version
-would be one program per sequence doing the same scan with tl.cumsum / tl.cummax over the
-partition in tiles (the hand's lap bounds it by capacity), plus the map updates; it needs nothing
-from the host but the per-step tensors, so it stays graph-capturable.
+victims = the first M candidates), ~30 small kernels per layer and step. With kernel="triton"
+steps 2-3 and the installs run as one program per sequence instead (sketchkv/ops/clock_admit.py);
+the deduplication over the batch stays here.
 """
 import math
 import os
@@ -44,7 +43,6 @@ import torch
 
 from sketchkv.errors import CapacityError
 from sketchkv.kv.host_store import TierCounters, TierStats
-
 from sketchkv.ops import clock_admit
 
 MAX_INT16_ROWS = torch.iinfo(torch.int16).max  # pools up to this many rows map host slots in 2 B

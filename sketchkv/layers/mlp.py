@@ -32,6 +32,10 @@ class SparseMoE(nn.Module):
     accepts per-expert `experts.{e}.{gate,up,down}_proj.weight` tensors and stacks them.
     """
 
+    # batches up to this many tokens (decode, CUDA-graph buckets) take the static path: its cost is one
+    # read of every expert's weights, the compute on a few hundred tokens is small beside it
+    STATIC_MAX_TOKENS = 256
+
     def __init__(self, hidden: int, moe_intermediate: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, shared_intermediate: int):
         super().__init__()
@@ -56,10 +60,6 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
-
-    # batches up to this many tokens (decode, CUDA-graph buckets) take the static path: its cost is one
-    # read of every expert's weights, the compute on a few hundred tokens is small beside it
-    STATIC_MAX_TOKENS = 256
 
     def _all_experts(self, x, weights, experts):
         """Every expert over every token (batched GEMMs), weighted by the routing (0 for experts not

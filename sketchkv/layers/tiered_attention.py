@@ -12,11 +12,11 @@ tail); K/V rows go to the host tier (sketchkv.kv.host_tier): every forward write
 recent ring.
 
 Decode (every step, any context length: when the selection covers the context the picks are every
-token, so this is also the dense path; in a speculative verification step every row of a sequence,
-its token and its drafts, selects and reads for its own position): select -> tier.gather (sinks and tail from the resident
+token, so this is also the dense path): select -> tier.gather (sinks and tail from the resident
 rows, picks from the hot buffer or, on a miss, straight from pinned host memory) into a compact K/V
 scratch -> the paged decode kernel over that scratch -> admit the misses to the hot buffer. Fixed
-shapes and no host sync: CUDA-graph capturable.
+shapes and no host sync: CUDA-graph capturable. In a speculative verification step each row of a
+sequence (its token and its drafts) selects and reads for its own position.
 
 Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier.
 """

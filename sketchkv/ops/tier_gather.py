@@ -111,7 +111,7 @@ def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_ma
     Hkv, D = rows_k.shape[1:]
     HD = Hkv * D
     assert HD & (HD - 1) == 0, "Hkv * head_dim must be a power of two"
-    assert rows_k.is_contiguous() or rows_k[0].is_contiguous()
+    assert rows_k.is_contiguous() and rows_v.is_contiguous(), "one layer's rows: [rows, Hkv, D] contiguous"
     k = torch.empty(B, Np, Hkv, D, dtype=rows_k.dtype, device=rows_k.device)
     v = torch.empty_like(k)
     miss = torch.empty(B, Np, dtype=torch.int64, device=rows_k.device)
@@ -125,8 +125,10 @@ def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_ma
     return k, v, miss
 
 
-def compose_rows(*args, kernel: str = "torch", **kw):
+def compose_rows(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v, counters,
+                 *, kernel: str = "torch", **kw):
     """kernel: "torch" (the reference, the engine's default) or "triton" (CUDA, or TRITON_INTERPRET=1)."""
-    if kernel == "triton" and triton is not None and (args[7].is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    args = (pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v, counters)
+    if kernel == "triton" and triton is not None and (rows_k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return compose_rows_triton(*args, **kw)
     return compose_rows_ref(*args, **kw)

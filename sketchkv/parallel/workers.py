@@ -161,6 +161,7 @@ class TensorParallelWorkers:
             from sketchkv.errors import RequestError
             raise RequestError("a torch.distributed group is already running in this process (one "
                                "tensor-parallel engine per process; shut the other one down first)")
+        self.runner = None  # rank 0's ModelRunner (driver()): its CUDA graphs go before the group does
         port = _free_port()
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_worker, args=(cfg, r, port, device, dtype), daemon=True,
@@ -176,14 +177,15 @@ class TensorParallelWorkers:
         atexit.register(self.shutdown)
 
     def driver(self, runner) -> "TensorParallelRunner":
+        self.runner = runner
         return TensorParallelRunner(runner, self)
 
     def call(self, method: str, *args) -> None:
         dist.broadcast_object_list([(method, args)], src=0, group=self.calls)
 
-    def shutdown(self, timeout: float = 30.0, runner=None) -> None:
-        """Workers leave their loop and exit; the group is torn down (after rank 0's `runner`'s CUDA
-        graphs). Idempotent."""
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Workers leave their loop and exit; the group is torn down (after rank 0's CUDA graphs).
+        Idempotent; also run at interpreter exit."""
         if not self.procs:
             return
         atexit.unregister(self.shutdown)
@@ -195,7 +197,7 @@ class TensorParallelWorkers:
         except RuntimeError:  # a worker died meanwhile (the gloo link is closed): nothing to tell
             pass
         if told:  # together with the workers, which tear theirs down on "exit"
-            _teardown(runner)
+            _teardown(self.runner)
         for p in self.procs:
             p.join(timeout)
         self.kill()
