@@ -12,6 +12,12 @@ import torch
 if not torch.cuda.is_available():
     sys.modules["fla"] = None
 
+# In the TRITON_INTERPRET=1 children (run_interpreter_tests), every launch of one of our kernels is logged,
+# to be compiled for an H200 afterwards: the interpreter does not check what the compiler checks.
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("SKETCHKV_KERNEL_LAUNCHES"):
+    import triton_compile_check
+    triton_compile_check.record(os.environ["SKETCHKV_KERNEL_LAUNCHES"])
+
 VOCAB = 512
 
 
@@ -143,7 +149,8 @@ def ckpt_with_basis(tmp_path_factory):
 
 
 def run_interpreter_tests(test_file: str, already_interpreted: bool) -> None:
-    """Run `test_file`'s `test_interp_*` tests in a fresh process with TRITON_INTERPRET=1.
+    """Run `test_file`'s `test_interp_*` tests in a fresh process with TRITON_INTERPRET=1, then compile
+    every kernel launch they made for an H200 in another (tests/triton_compile_check.py).
 
     Triton picks interpreter or compiler when a kernel is defined (at import), so flipping the
     variable inside a shared pytest process is unreliable; the main run skips those tests (with
@@ -154,11 +161,20 @@ def run_interpreter_tests(test_file: str, already_interpreted: bool) -> None:
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-k", "test_interp_", "-p", "no:cacheprovider"]
-    r = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    last = r.stdout.strip().split("\n")[-1]
-    assert " passed" in last and "skipped" not in last, r.stdout[-3000:]
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = os.path.join(tmp, "launches.jsonl")
+        r = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1", "SKETCHKV_KERNEL_LAUNCHES": launches},
+                           cwd=root, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+        last = r.stdout.strip().split("\n")[-1]
+        assert " passed" in last and "skipped" not in last, r.stdout[-3000:]
+        if os.path.exists(launches):  # fla's own kernels (test_ops_gdn.py) are not logged
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            c = subprocess.run([sys.executable, os.path.join(root, "tests", "triton_compile_check.py"), launches],
+                               env=env, cwd=root, capture_output=True, text=True, timeout=900)
+            print(c.stdout)
+            assert c.returncode == 0, c.stdout[-6000:] + c.stderr[-3000:]
 
 
 @pytest.fixture(autouse=True)

@@ -239,6 +239,8 @@ def test_basis_roundtrip_and_mismatch(ckpt_with_basis, tiny_checkpoint):
     assert b.rank == 8 and b.layers == [3, 7] and b.meta["tokens"] > 0
     eye = torch.einsum("lhdr,lhds->lhrs", b.bases, b.bases)
     assert torch.allclose(eye, torch.eye(8).expand_as(eye), atol=1e-4)  # orthonormal columns
+    # fitted with the fp32 model (this checkpoint is fp32), it fits the same model loaded in bf16
+    LLM(ckpt_with_basis, device="cpu", block_size=16, dtype="bfloat16", sparse=True)
     other_path, _ = tiny_checkpoint("qwen3_5_text", num_hidden_layers=8, seed=9, max_position_embeddings=8192)
     other = LLM(other_path, device="cpu", block_size=16)
     with pytest.raises(CheckpointError, match="fitted for another model"):

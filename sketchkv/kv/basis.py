@@ -21,7 +21,10 @@ def model_fingerprint(cfg: ModelConfig, model: torch.nn.Module) -> dict:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         if name.endswith("k_proj.weight") and not name.startswith("mtp."):
-            h.update(p.detach().float().cpu().numpy().tobytes()[:1 << 20])  # first MiB of each: cheap, unique
+            # the first 256K weights of each (cheap, unique), rounded to bf16 so that a basis fitted with the
+            # model loaded in fp32 also fits it loaded in bf16 (and the other way round)
+            w = p.detach().reshape(-1)[:1 << 18].to(torch.bfloat16).float()
+            h.update(w.cpu().numpy().tobytes())
     return {"model_type": cfg.model_type, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size, "k_proj_sha256": h.hexdigest()[:16]}
 

@@ -46,7 +46,7 @@ if triton is not None:
         n_free = cap - used
         lap = tl.maximum(used, 1)
         # A. ranks of the misses: free rows first, the rest queue for CLOCK
-        M = 0
+        M = tl.zeros([], tl.int64)  # loop-carried values keep one type (the compiler checks; the interpreter does not)
         for t in range(0, N, TN):
             j = t + tl.arange(0, TN)
             k = tl.load(keys_ptr + b * N + j, mask=j < N, other=-1)
@@ -59,9 +59,9 @@ if triton is not None:
         n_clock = tl.maximum(M - n_free, 0)
         tl.debug_barrier()
         # B. one lap from the hand over the rows resident at the step's start
-        last_unref = -1
-        n_cand = 0
-        last_j = -1
+        last_unref = tl.full([], -1, tl.int64)
+        n_cand = tl.zeros([], tl.int64)
+        last_j = tl.full([], -1, tl.int64)
         for t in range(0, C, TC):
             j = t + tl.arange(0, TC)
             jm = j < used
