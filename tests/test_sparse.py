@@ -124,7 +124,7 @@ def test_softmax_combine_ranks_a_sharp_head_above_a_broad_loud_one():
 def test_interp_sketch_score_kernel_matches_reference(shared, combine):
     packed, scale, tables, lens = _paged_sketch([1, 37, 200, 64], Hkv=4, r=32, bs=16, seed=1)
     for qp in (torch.randn(4, 4, 32), torch.randn(4, 4, 3, 32)):   # group-summed, and per query head (G = 3)
-        out = sketch_score(qp, packed, scale, tables, lens, 4, 16, 208, shared, combine, 0.2)
+        out = sketch_score(qp, packed, scale, tables, lens, 4, 16, 208, shared, combine, 0.2, kernel="fma")
         ref = sketch_score_ref(qp, packed, scale, tables, lens, 4, 16, 208, shared, combine, 0.2)
         assert torch.equal(torch.isinf(out), torch.isinf(ref))
         fin = torch.isfinite(ref)
@@ -178,13 +178,15 @@ def test_interp_sketch_score_kernel_switch():
     qp = torch.randn(2, 2, 3, 32).half().float()
     args = (packed, scale, tables, lens, 4, 8, 112, True, "softmax", 0.2)
     assert torch.equal(sketch_score(qp, *args, kernel="dot"), sketch_score_dot(qp, *args))
-    fma = sketch_score(qp, *args)                        # default: the CUDA-core kernel
-    assert torch.equal(sketch_score(qp, *args, kernel="fma"), fma)
+    assert torch.equal(sketch_score(qp, *args), sketch_score_dot(qp, *args))   # auto: softmax on tensor cores
+    fma = sketch_score(qp, *args, kernel="fma")
     torch.testing.assert_close(sketch_score(qp, *args, kernel="dot"), fma, rtol=1e-4, atol=1e-4)
     packed, scale, tables, lens = _paged_sketch([37, 100], Hkv=2, r=16, bs=16, seed=2)
     q16 = torch.randn(2, 2, 3, 16)                       # r / 2 < 16: too small for tl.dot -> "fma"
     args = (packed, scale, tables, lens, 4, 8, 112, False, "max")
     assert torch.equal(sketch_score(q16, *args, kernel="dot"), sketch_score(q16, *args))
+    args = (packed, scale, tables, lens, 4, 8, 112, True, "softmax", 0.2)       # auto picks dot: falls back too
+    assert torch.equal(sketch_score(q16, *args), sketch_score(q16, *args, kernel="fma"))
 
 
 def test_sketch_score_rejects_unknown_kernel():

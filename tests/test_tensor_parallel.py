@@ -144,3 +144,27 @@ def test_indivisible_heads_and_unsupported_combos_fail_in_one_line():
         LLM("random:tiny-hybrid", device="cpu", tensor_parallel_size=2, sparse_host_tier=True, sparse=True)
     with pytest.raises(RequestError, match="speculative"):
         LLM("random:tiny-hybrid", device="cpu", tensor_parallel_size=2, num_speculative_tokens=2)
+
+
+def test_a_dead_worker_ends_the_process_with_a_message_instead_of_a_hang(tmp_path):
+    """A worker that dies mid-run would leave rank 0 in a collective forever on NCCL (seen on 2 x H200):
+    rank 0 names the dead rank and exits."""
+    import subprocess
+    import sys
+    script = tmp_path / "kill_worker.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from sketchkv import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM('random:tiny-hybrid', device='cpu', tensor_parallel_size=2)\n"
+        "    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)\n"
+        "    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp)\n"
+        "    os.kill(llm.engine.runner.workers.procs[0].pid, signal.SIGKILL)\n"
+        "    for _ in range(600):\n"
+        "        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp)\n"
+        "        time.sleep(0.1)\n"
+        "    print('still running')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    assert "tensor-parallel worker sketchkv-tp1 (exit code -9) died" in r.stderr, r.stderr[-3000:]
+    assert "still running" not in r.stdout

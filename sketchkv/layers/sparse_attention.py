@@ -1,9 +1,10 @@
 """Sparse decode attention: the same interface as `Attention`, reading only the rows that matter.
 
 Each decode step: project the queries through the frozen key basis, score every cached token
-through its int4 sketch, combine the query heads (`head_combine`: by default the seed's sum of raw
-scores, one dot per KV head with the summed query group; or the sum of each head's softmax over the
-candidates, i.e. estimated attention mass, which scores every query head), take the top k (deterministic), add the first `sink_tokens` and the last
+through its int4 sketch, combine the query heads (`head_combine`: by default the sum of each head's
+softmax over the candidates, i.e. estimated attention mass, which scores every query head; or the
+seed's sum of raw scores, one dot per KV head with the summed query group), take the top k
+(deterministic), add the first `sink_tokens` and the last
 `recent_tokens`, and run exact softmax attention over exactly those rows. Prefill stays dense
 (and writes the sketches). A sequence whose context fits in sinks + top_k + recent selects all of
 its tokens, so the sparse path then gives the dense result.

@@ -168,6 +168,8 @@ class TensorParallelWorkers:
                                   name=f"sketchkv-tp{r}") for r in range(1, n)]
         for p in self.procs:
             p.start()
+        self.closing = False
+        threading.Thread(target=self._exit_if_a_worker_dies, daemon=True, name="sketchkv-tp-watch").start()
         self.device = rank_device(device, 0)
         try:
             self.calls = _join_group(0, n, port, self.device)
@@ -180,6 +182,25 @@ class TensorParallelWorkers:
         self.runner = runner
         return TensorParallelRunner(runner, self)
 
+    def _exit_if_a_worker_dies(self) -> None:
+        """A rank that dies (an exception in its step, OOM, a kill) leaves rank 0 inside a collective that
+        never completes (NCCL waits forever; run 13 on 2 x H200 hung this way when a worker's Triton
+        compile failed). The engine cannot go on without the rank's shard: say which rank died and exit
+        the process, like vLLM's executor does, instead of hanging."""
+        from multiprocessing.connection import wait
+        procs = list(self.procs)
+        ready = wait([p.sentinel for p in procs])
+        if self.closing:
+            return
+        for p in procs:
+            if p.sentinel in ready:
+                p.join(1.0)  # reaps it: exitcode
+        dead = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in procs if p.sentinel in ready)
+        logger.critical(f"tensor-parallel worker {dead} died (its traceback, if any, is above); "
+                        "rank 0 cannot continue without its shard: exiting")
+        logging.shutdown()
+        os._exit(1)
+
     def call(self, method: str, *args) -> None:
         dist.broadcast_object_list([(method, args)], src=0, group=self.calls)
 
@@ -188,6 +209,7 @@ class TensorParallelWorkers:
         Idempotent; also run at interpreter exit."""
         if not self.procs:
             return
+        self.closing = True
         atexit.unregister(self.shutdown)
         told = False
         try:
@@ -204,6 +226,7 @@ class TensorParallelWorkers:
 
     def kill(self) -> None:
         """Without a goodbye (a failed start, a dead worker): terminate the workers, drop the group."""
+        self.closing = True
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
