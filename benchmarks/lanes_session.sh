@@ -16,7 +16,10 @@ OUT=${OUT:-/tmp/out}; R=/tmp/results; mkdir -p "$OUT" $R
 nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm --format=csv | tee $R/gpus.txt
 for i in 0 1 2 3 4 5 6 7; do
   var=LANE$i; [ -n "${!var:-}" ] || continue
-  (export CUDA_VISIBLE_DEVICES=$i OUT=$R/lane$i LANE_SECONDS=$(( BUDGET - 20 - ($(date +%s) - START) ))
+  # own Triton cache per lane: run 13 lost a TP rank to a compile failure inside fla's autotuner while
+  # another lane compiled the same kernels into the shared cache (cause not proven; isolation is cheap)
+  (export CUDA_VISIBLE_DEVICES=$i OUT=$R/lane$i LANE_SECONDS=$(( BUDGET - 20 - ($(date +%s) - START) )) \
+          TRITON_CACHE_DIR=/tmp/triton-cache-lane$i
    mkdir -p $OUT; timeout -s ABRT -k 10 $LANE_SECONDS bash -c "${!var}" > $R/lane$i.log 2>&1
    echo "lane $i exit $? after $(( $(date +%s) - START )) s" >> $R/lane$i.log) &
 done

@@ -237,3 +237,35 @@ def stop_process(proc, timeout: float = 20) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ---- CUDA graphs without a GPU ----------------------------------------------------------------------
+
+@pytest.fixture
+def eager_graphs(monkeypatch):
+    """Replaces CUDA-graph capture with an eager stand-in that re-runs the captured step (with the context
+    it was captured under) on every replay, so CPU tests run the runner's static-buffer graph steps
+    (padding, row layout, replay bookkeeping). Returns capture(runner): captures the runner's graphs and
+    gives a dict counting replays per graph key."""
+    from sketchkv.engine import context, model_runner
+
+    def capture_graph(fn, pool):
+        ctx = context.get_context()
+
+        class Replay:
+            def replay(self):
+                Replay.count += 1
+                context.set_context(ctx)
+                try:
+                    fn()
+                finally:
+                    context.set_context(None)
+        Replay.count = 0
+        return Replay(), pool
+
+    monkeypatch.setattr(model_runner, "capture_graph", capture_graph)
+
+    def capture(runner):
+        runner._capture_graphs()
+        return runner
+    return capture

@@ -73,6 +73,22 @@ def test_greedy_tokens_identical_with_mtp_drafts(mtp_ckpt, n):
     assert blocks.num_free == blocks.num_blocks - 1  # every block came back
 
 
+@pytest.mark.parametrize("drafter", ["mtp", "oracle"])
+def test_verification_graph_steps_give_the_same_tokens(mtp_ckpt, eager_graphs, drafter):
+    """Steady-state verification steps (every sequence: its token + n drafts) replay a verification graph
+    of bucket x (1 + n) rows (emulated eagerly on CPU: the same static buffers, padding and row lists);
+    steps with fewer drafts or prompt chunks stay eager; tokens equal non-speculative decoding."""
+    prompts = _prompts((9, 60, 31), 6)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in _llm(mtp_ckpt, max_num_seqs=4).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    llm = _llm(mtp_ckpt, max_num_seqs=4, num_speculative_tokens=3)
+    r = eager_graphs(llm.engine.runner)
+    assert sorted(r.verify_graphs) == [(False, 1), (False, 2), (False, 4)]
+    assert_speculation_keeps_tokens(llm, prompts, sp, ref, drafter)
+    replays = {k: type(g).count for k, g in r.verify_graphs.items()}
+    assert replays[(False, 4)] > 0, replays   # 3 sequences -> the bucket of 4 (one padded sequence)
+
+
 def _run_with_oracle(llm, prompts, sp, reference, seed=0):
     eng = llm.engine
     eng.runner.spec.drafter = OracleDrafter(reference, eng.model_config.vocab_size, seed)

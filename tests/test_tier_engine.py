@@ -513,3 +513,24 @@ def test_tier_with_speculative_decoding_same_tokens(ckpt_with_basis_and_mtp, dra
     assert s.hits > 0 and s.misses > 0
     _, counts = llm.engine.runner.sparse_layers[0].last_indices
     assert (counts == 4 + 16 + 8).all()   # the sparse tiered path ran on the verified rows
+
+
+def test_tier_verification_graph_steps_give_the_same_tokens(ckpt_with_basis_and_mtp, eager_graphs):
+    """Verification graphs over the host tier (emulated eagerly on CPU): per-row resident rows and hot
+    partitions, only a sequence's first row admits; tokens equal the tier without speculation."""
+    from test_speculative import assert_speculation_keeps_tokens
+    path = ckpt_with_basis_and_mtp
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [_prompt(300, 31), _prompt(150, 32), _prompt(40, 33)]
+    kw = dict(dtype="float32", max_num_batched_tokens=128)
+    ref = [o.token_ids for o in _llm(path, True, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    eager = _llm(path, True, num_speculative_tokens=3, **kw)
+    assert_speculation_keeps_tokens(eager, prompts, sp, ref, "oracle")
+    llm = _llm(path, True, num_speculative_tokens=3, **kw)
+    r = eager_graphs(llm.engine.runner)
+    assert sorted(r.verify_graphs) == [(True, 1), (True, 2), (True, 4)]
+    assert_speculation_keeps_tokens(llm, prompts, sp, ref, "oracle")
+    assert sum(type(g).count for g in r.verify_graphs.values()) > 0
+    # the same hot-buffer traffic as eager verification (partitions per row, first-row admits)
+    got, want = llm.tier_stats(), eager.tier_stats()
+    assert (got.hits, got.misses) == (want.hits, want.misses)

@@ -42,6 +42,7 @@ class Context:
     # decode rows (causal: row t sees the cache up to its own position)
     num_drafts: list[int] | None = None       # per sequence
     verify: VerifyRows | None = None
+    verify_first: torch.Tensor | None = None  # verification graphs (one decode row per row): [T] bool, a sequence's first row
     # Host tier only
     resident_rows: torch.Tensor | None = None  # [T] int64: row of each new token in the tier's sinks/recent ring
     hot_pids: torch.Tensor | None = None       # [B] int64: hot-buffer partition of each sequence

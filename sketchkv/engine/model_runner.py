@@ -22,6 +22,24 @@ from sketchkv.parallel.comm import agree_min
 
 logger = logging.getLogger("sketchkv")
 
+# Speculative verification graphs hold bucket x (1 + drafts) rows; above this many rows per step the
+# verification runs eagerly (its per-row selection scratch over max_model_len grows with the rows).
+VERIFY_GRAPH_MAX_ROWS = 128
+
+
+def capture_graph(fn, pool):
+    """fn() captured into a CUDA graph sharing `pool` -> (graph, pool). Module level so that CPU tests
+    can replace it with an eager stand-in and run the static-buffer steps without a GPU."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph, graph.pool()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
@@ -81,6 +99,7 @@ class ModelRunner:
             self.mtp_attn_layers = Speculator.mtp_layers(model)
             self.spec = Speculator(self, self.num_spec)
         self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (sparse family, batch bucket)
+        self.verify_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # same keys, 1 + n rows per sequence
         self.state_cache = StateCache(int(cfg.cache.state_cache_gb * 2**30), pin=device.type == "cuda") \
             if self.gdn_layers and cfg.cache.enable_prefix_caching else None
         self.num_state_slots = cfg.scheduler.max_num_seqs + 1  # last slot: scratch for graph padding
@@ -99,6 +118,7 @@ class ModelRunner:
                 self._capture_graphs()
             except RuntimeError as e:  # a decode path that cannot be captured: eager, and say so
                 self.graphs.clear()
+                self.verify_graphs.clear()
                 torch.cuda.synchronize(device)
                 logger.warning("CUDA graph capture failed, decoding eagerly (enforce_eager=True hides this): %s",
                                str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -430,6 +450,9 @@ class ModelRunner:
         bucket = self._graph_bucket(len(batch)) if graphs and ctx.is_decode else None
         if bucket is not None:
             return self._replay(input_ids, positions, ctx, (ctx.sparse, bucket)), ctx
+        bucket = self._verify_bucket(ctx) if graphs else None
+        if bucket is not None:
+            return self._replay_verify(input_ids, positions, ctx, (ctx.sparse, bucket)), ctx
         set_context(ctx)
         try:
             return self.model(input_ids, positions), ctx
@@ -462,18 +485,28 @@ class ModelRunner:
         for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:
             ctx = self._graph_context(bs)
             ctx.sparse = sparse
-            set_context(ctx)
+            step = lambda bs=bs: self.g_out[:bs].copy_(self.model(self.g_ids[:bs], self.g_pos[:bs]))
+            self.graphs[(sparse, bs)], pool = self._capture(ctx, step, pool)
+        if self.spec is not None and not self.state_layers:
+            try:
+                self._capture_verify_graphs(families, sizes, pool)
+            except RuntimeError as e:  # e.g. out of memory for the rows: verification stays eager
+                self.verify_graphs.clear()
+                _sync(dev)
+                logger.warning("CUDA graphs for speculative verification failed, verifying eagerly: %s",
+                               str(e).splitlines()[0] if str(e) else type(e).__name__)
+        _sync(dev)
+
+    def _capture(self, ctx: Context, step, pool):
+        set_context(ctx)
+        try:
             with torch.inference_mode():
                 for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                    self.g_out[:bs] = self.model(self.g_ids[:bs], self.g_pos[:bs])
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.g_out[:bs] = self.model(self.g_ids[:bs], self.g_pos[:bs])
+                    step()
+                _sync(self.device)
+                return capture_graph(step, pool)
+        finally:
             set_context(None)
-            pool = graph.pool()
-            self.graphs[(sparse, bs)] = graph
-        torch.cuda.synchronize(dev)
 
     def _graph_context(self, bs: int) -> Context:
         ctx = Context(cu_seqlens_q=self.g_cu[:bs + 1], seq_lens=self.g_seq_lens[:bs],
@@ -507,3 +540,77 @@ class ModelRunner:
             self.tier.store.wait()  # host writes of eager steps (side stream) land before the graph reads
         self.graphs[key].replay()
         return self.g_out[:bs]
+
+    # ---- CUDA graphs for speculative verification ----------------------------------------------
+    # A verification step where every sequence decodes its last token + exactly n drafts (the steady
+    # state) runs as a decode graph over bucket x (1 + n) rows: each row is attended as a decode row of
+    # its own length (as the eager path does), Gated DeltaNet layers step through a sequence's rows and
+    # keep the state after each (`forward_verify`, static row lists), the host tier admits only each
+    # sequence's first row's misses. Other verification steps (fewer drafts near max_tokens, prompt
+    # chunks beside them) run eagerly.
+    def _capture_verify_graphs(self, families, sizes, pool) -> None:
+        from sketchkv.engine.context import VerifyRows
+        Q, dev = self.num_spec + 1, self.device
+        sizes = [b for b in sizes if b * Q <= max(VERIFY_GRAPH_MAX_ROWS, Q)]
+        if not sizes:
+            return
+        R = max(sizes) * Q
+        self.v_ids = torch.zeros(R, dtype=torch.int64, device=dev)
+        self.v_pos = torch.zeros(R, dtype=torch.int64, device=dev)
+        self.v_slot_mapping = torch.zeros(R, dtype=torch.int64, device=dev)
+        self.v_tables = torch.zeros(R, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.v_lens = torch.ones(R, dtype=torch.int32, device=dev)          # per row: its position + 1
+        self.v_row_slots = torch.full((R,), self.scratch_slot, dtype=torch.int64, device=dev)
+        self.v_seq_slots = torch.full((max(sizes),), self.scratch_slot, dtype=torch.int64, device=dev)
+        self.v_cu = torch.arange(R + 1, dtype=torch.int32, device=dev)
+        self.v_out = torch.zeros(R, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
+        self.v_first = torch.arange(R, device=dev) % Q == 0                  # a sequence's first row
+        if self.tier is not None:
+            self.v_resident_rows = torch.full((R,), self.tier.dump_row, dtype=torch.int64, device=dev)
+            self.v_hot_pids = torch.full((R,), self.tier.pad_pid, dtype=torch.int64, device=dev)
+        self.v_steps = {bs: VerifyRows([(torch.arange(bs, device=dev) * Q + t, self.v_seq_slots[:bs]) for t in range(Q)])
+                        for bs in sizes}   # static row lists, alive as long as the graphs
+        for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:
+            r = bs * Q
+            ctx = Context(cu_seqlens_q=self.v_cu[:r + 1], seq_lens=self.v_lens[:r], slot_mapping=self.v_slot_mapping[:r],
+                          block_tables=self.v_tables[:r], state_slots=self.v_row_slots[:r], query_lens=[1] * r,
+                          context_lens=[1] * r, is_decode=True, max_seq_len=self.max_model_len, graph=True,
+                          sparse=sparse, verify=self.v_steps[bs], verify_first=self.v_first[:r])
+            if self.tier is not None:
+                ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
+            step = lambda r=r: self.v_out[:r].copy_(self.model(self.v_ids[:r], self.v_pos[:r]))
+            self.verify_graphs[(sparse, bs)], pool = self._capture(ctx, step, pool)
+
+    def _verify_bucket(self, ctx: Context) -> int | None:
+        Q = self.num_spec + 1
+        if not self.verify_graphs or ctx.verify is None or ctx.verify.other_rows is not None \
+                or any(q != Q for q in ctx.query_lens):
+            return None
+        return min((b for _, b in self.verify_graphs if b >= ctx.num_seqs), default=None)
+
+    def _replay_verify(self, input_ids, positions, ctx: Context, key: tuple[bool, int]) -> torch.Tensor:
+        Q, bs, bucket = self.num_spec + 1, ctx.num_seqs, key[1]
+        r, rb = bs * Q, bucket * Q
+        # padded rows attend to one token of the scratch block, padded sequences step the scratch slot
+        self.v_ids[:rb].zero_()
+        self.v_pos[:rb].zero_()
+        self.v_slot_mapping[:rb].zero_()
+        self.v_tables[:rb].zero_()
+        self.v_lens[:rb].fill_(1)
+        self.v_row_slots[:rb].fill_(self.scratch_slot)
+        self.v_seq_slots[:bucket].fill_(self.scratch_slot)
+        self.v_ids[:r] = input_ids
+        self.v_pos[:r] = positions
+        self.v_slot_mapping[:r] = ctx.slot_mapping
+        self.v_tables[:r, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0).repeat_interleave(Q, 0)
+        self.v_lens[:r] = ctx.decode_lens
+        self.v_row_slots[:r] = ctx.state_slots.repeat_interleave(Q)
+        self.v_seq_slots[:bs] = ctx.state_slots
+        if self.tier is not None:
+            self.v_resident_rows[:rb].fill_(self.tier.dump_row)
+            self.v_hot_pids[:rb].fill_(self.tier.pad_pid)
+            self.v_resident_rows[:r] = ctx.resident_rows
+            self.v_hot_pids[:r] = ctx.hot_pids.repeat_interleave(Q)
+            self.tier.store.wait()
+        self.verify_graphs[key].replay()
+        return self.v_out[:r]

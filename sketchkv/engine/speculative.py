@@ -21,7 +21,10 @@ One engine step with speculation on (`num_speculative_tokens` = n > 0):
 
 The MTP layer's KV cache is paged in the model's blocks (same block tables and slots: one more
 attention layer per block), so sharing, preemption and rollback need no extra bookkeeping.
-Verification steps run eagerly; pure decode steps (no drafts) still replay CUDA graphs.
+Steady-state verification steps (every sequence: its token + exactly n drafts; up to
+VERIFY_GRAPH_MAX_ROWS rows) replay a CUDA graph of bucket x (1 + n) rows (ModelRunner._replay_verify;
+since session 5, emulated on CPU in tests, not yet run on a GPU); other verification steps run
+eagerly; pure decode steps (no drafts) replay the decode graphs. The drafter's MTP passes are eager.
 """
 import math
 
