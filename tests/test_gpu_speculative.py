@@ -1,5 +1,5 @@
 """MTP speculative decoding on the GPU (fla decode kernels in verification, CUDA graphs for pure
-decode steps): greedy tokens equal non-speculative decoding in fp32; in bf16 the agreement is
+decode steps and for steady-state verification steps): greedy tokens equal non-speculative decoding in fp32; in bf16 the agreement is
 printed (verification batches rows differently, so a near-tie may flip)."""
 import pytest
 import torch
@@ -40,6 +40,7 @@ def test_gpu_speculative_greedy_matches(ckpt, dtype, sparse):
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = [o.token_ids for o in LLM(ckpt, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
     mtp = LLM(ckpt, num_speculative_tokens=3, **kw)
+    assert mtp.engine.runner.verify_graphs, "steady-state verification steps should replay CUDA graphs"
     got = [o.token_ids for o in mtp.generate(prompt_token_ids=prompts, sampling_params=sp)]
     oracle = _run_with_oracle(LLM(ckpt, num_speculative_tokens=7, **kw), prompts, sp,
                               {tuple(p): p + r for p, r in zip(prompts, ref)})

@@ -308,7 +308,10 @@ class ModelRunner:
         n = sp.sink_tokens + sp.top_k + sp.recent_tokens
         if self.qsa_layers:  # QSA: at most budget + c - 1 positions per step
             n = self.qsa_layers[0].budget + self.qsa_layers[0].ratio - 1
-        return 6 * self.cfg.scheduler.max_num_seqs * n * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        rows = self.cfg.scheduler.max_num_seqs
+        if self.num_spec:  # verification steps: every row of a sequence gathers its own scratch
+            rows = max(rows, min(rows * (self.num_spec + 1), VERIFY_GRAPH_MAX_ROWS))
+        return 6 * rows * n * c.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def _blocks_from_budget(self) -> int:
         if not self.attn_layers:
