@@ -68,9 +68,13 @@ case " $STAGES " in *" agents "*)
       # >= 1.9x the one-GPU tok/s. 48 GB of pinned host tier per replica (8 agents need ~36 GB): ~5-7 min
       #   STAGES=agents AGENTS_RUNS=dp bash benchmarks/h200_session.sh 590
       dp) A="$M27 --configs sparse --agents 8 --contexts 250K --fill random --data-parallel 1 2 --sparse-host-budget-gb 48";;
+      # issue 11: MTP-7 verification steps (CUDA graphs since session 5) at 8 x 128K and 8 x 250K on the 27B shape
+      # with a random MTP layer (drafts rejected: every step verifies 7 drafts); projected tok/s with the
+      # reference model's accepted length at n = 7 (explain-style, run 11: 4.01); compare with `sparse`: ~5 min
+      spec) A="--model random:qwen3.5-27b+mtp --configs sparse --agents 8 --contexts 128K 250K --fill random --num-speculative-tokens 7 --reference-accepted-length 4.01";;
       # the bundled reference model on real text (realistic picks and hit rates), real prefill: ~3-4 min
       reference) A="--configs sparse dense --agents 1 8 --contexts 32K 128K 250K --fill real --breakdown";;
-      *) echo "unknown agents run $run"; continue;;
+      *) echo "unknown agents run $run (see the runs listed in benchmarks/h200_session.sh)"; exit 2;;
     esac
     timeout $(( $(left) - 10 )) python3 -m sketchkv bench agents $A --out-dir "$OUT" --name "agents-$run" 2>&1 \
       | tee "$OUT/agents-$run.log" | tail -25

@@ -196,3 +196,19 @@ def test_kernel_kinds_of_the_gpu_breakdown():
     assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "index / gather (torch)"
     assert kernel_kind("_host_gather_kernel") == "host gather (PCIe)"
     assert kernel_kind("something new") == "other"
+
+
+def test_speculative_rows_measure_verification_steps(tmp_path):
+    """A random-weight model with an MTP layer (`random:PRESET+mtp`): its drafts are rejected, so every
+    timed step verifies n drafts and keeps one token; the report gives the measured step and the
+    projection agents x reference accepted length / step time."""
+    bench(["--model", "random:tiny-hybrid+mtp", "--agents", "2", "--contexts", "1K", "--configs", "sparse",
+           "--fill", "random", "--tail", "256", "--num-speculative-tokens", "3", "--reference-accepted-length", "3.3",
+           "--out-dir", str(tmp_path), "--name", "spec", *SMALL])
+    (x,) = json.load(open(tmp_path / "spec.json"))["rows"]
+    assert x["status"] == "ok", x.get("reason")
+    d, s = x["decode"], x["decode"]["speculative"]
+    assert s["num_speculative_tokens"] == 3 and s["verifications"] >= 2 * d["steps"]   # every agent, every step
+    assert 1.0 <= s["mean_accepted_length"] < 1.5                                       # random drafts
+    assert s["projected_tok_s"] == pytest.approx(2 * 3.3 / (d["step_ms_mean"] / 1e3))
+    assert "## Speculative decoding (MTP)" in (tmp_path / "spec.md").read_text()

@@ -142,3 +142,15 @@ def test_missing_bundled_model_explains_itself(monkeypatch):
     monkeypatch.setattr(config, "default_model", lambda: "/nonexistent/reference-model")
     with pytest.raises(CheckpointError, match="bundled reference model is not in this install"):
         _load("/nonexistent/reference-model")
+
+
+def test_random_presets_and_the_mtp_suffix():
+    from sketchkv.models.presets import preset_config
+    cfg, _ = preset_config("tiny-hybrid+mtp")
+    assert cfg.mtp_num_layers == 1 and preset_config("tiny-hybrid")[0].mtp_num_layers == 0
+    _, model = load_model("random:tiny-hybrid+mtp", torch.float32, torch.device("cpu"))
+    assert model.mtp is not None
+    with pytest.raises(CheckpointError, match="unknown random model preset 'nope'"):
+        preset_config("nope")
+    with pytest.raises(CheckpointError, match="MTP layers exist for qwen3_5_text / qwen3_next presets only"):
+        preset_config("qwen4-exp-h200+mtp")

@@ -117,7 +117,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "common timed window; several values (e.g. 1 2) also give the ratio to one replica. "
                         "--sparse-host-budget-gb is per replica (default: half the available RAM, split)")
     p.add_argument("--quiet", action="store_true")
-    keep = set(C.BASE_OPTIONS) | set(SPARSE_KNOBS)
+    p.add_argument("--reference-accepted-length", type=float, default=None, metavar="L",
+                   help="with --num-speculative-tokens on a random-weight model (its drafts are rejected, so every "
+                        "step verifies n drafts and keeps one token): also report agents x L / measured step time, "
+                        "L = the mean accepted length measured on a trained model (benchmarks/bench_mtp.py)")
+    keep = set(C.BASE_OPTIONS) | set(SPARSE_KNOBS) | {"num_speculative_tokens"}
     g = p.add_argument_group("engine options (every sketchkv configuration)")
     add_dataclass_args(g, skip=tuple(n for n, _, _ in flat_fields() if n not in keep))
 
@@ -284,7 +288,8 @@ def turn1_max_tokens(args, n: int, prefill_tokens: int, chunk: int) -> int:
     """Turn-1 tokens per agent: enough for the timed window after every agent has prefilled (agents that
     finish prefill early decode in the meantime, at most one token per step)."""
     mixed = -(-n * prefill_tokens // max(1, chunk)) + n + 2
-    return 1 + args.warmup_steps + args.decode_tokens + (args.breakdown_steps if args.breakdown else 0) + mixed
+    per_step = 1 + int(getattr(args, "num_speculative_tokens", None) or 0)   # a verification step keeps up to 1 + n
+    return 1 + per_step * (args.warmup_steps + args.decode_tokens + (args.breakdown_steps if args.breakdown else 0)) + mixed
 
 
 def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -> dict:
@@ -336,6 +341,7 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     lens0 = [len(s) for s in seqs]
     tier0 = llm.tier_stats()
     times = []
+    spec0 = r.spec.metrics() if r.spec is not None else None
     DP.window_barrier()   # data-parallel replicas start their windows together
     window0 = time.time()
     for _ in range(args.decode_tokens):
@@ -350,10 +356,21 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     tier1 = llm.tier_stats()
     nsteps = len(times)
     step_s = sum(times) / nsteps
-    ctx_mean = statistics.fmean(lens0) + (nsteps - 1) / 2   # tokens cached at a step, averaged over the window
+    tokens = sum(len(s) for s in seqs) - sum(lens0)              # > n per step when drafts are accepted
+    ctx_mean = statistics.fmean(lens0) + (tokens / n - 1) / 2   # tokens cached at a step, averaged over the window
     decode = {"steps": nsteps, "step_ms_mean": 1e3 * step_s, "step_ms_p50": 1e3 * statistics.median(times),
-              "step_ms_max": 1e3 * max(times), "tok_s": n / step_s, "per_agent_tok_s": 1 / step_s,
+              "step_ms_max": 1e3 * max(times), "tok_s": tokens / sum(times), "per_agent_tok_s": tokens / n / sum(times),
               "context_mean": ctx_mean, "graphs": bool(r.graphs), "window": window}
+    if spec0 is not None:
+        spec1 = r.spec.metrics()
+        v = spec1["spec_verifications"] - spec0["spec_verifications"]
+        acc = spec1["spec_accepted_tokens"] - spec0["spec_accepted_tokens"]
+        decode["speculative"] = {
+            "num_speculative_tokens": r.spec.num_tokens, "verifications": v,
+            "extra_gpu_bytes_per_agent": r.spec.bytes_per_seq(round(ctx_mean)),   # MTP KV + kept GDN states
+            "mean_accepted_length": (acc + v) / v if v else None, "verification_graphs": bool(r.verify_graphs),
+            "reference_accepted_length": args.reference_accepted_length,
+            "projected_tok_s": n * args.reference_accepted_length / step_s if args.reference_accepted_length else None}
     tier = None
     pcie = 0.0
     if tier0 is not None:
@@ -521,7 +538,8 @@ def run(args, name: str, write: bool = True) -> dict:
     from sketchkv.engine.llm_engine import resolve_device, resolve_dtype
     from sketchkv.errors import SketchKVError
     from sketchkv.llm import LLM
-    base = {**C.base_options(args), **{k: v for k in SPARSE_KNOBS if (v := getattr(args, k, None)) is not None}}
+    base = {**C.base_options(args), **{k: v for k in SPARSE_KNOBS + ("num_speculative_tokens",)
+                                       if (v := getattr(args, k, None)) is not None}}
     base = {k: (C._parse_value(v, C._flat_fields()[k]) if isinstance(v, str) else v) for k, v in base.items()}
     cfg0 = build_config(model=args.model, **base)
     dev = resolve_device(cfg0.device)
@@ -786,6 +804,22 @@ def markdown(r: dict, png: str) -> str:
                  f"{_gb(m.get('gpu_bytes_per_agent', m.get('gpu_bytes_per_agent_arith')))} | "
                  f"{_gb(m.get('host_bytes_per_agent'))} | {pf['tok_s']:.0f}"
                  f"{'' if pf['mode'] == 'real' else ' (tail)'} | {ttft} | [{ref[row['command']]}] |")
+    specs = [row for row in r["rows"] if row.get("status") == "ok" and row["decode"].get("speculative")]
+    if specs:
+        L += ["", "## Speculative decoding (MTP)", "",
+              "Measured: tokens kept per step and tok/s of this model. On random weights the drafts are rejected, so "
+              "each step drafts n tokens, verifies n + 1 rows and keeps one: the step time is a real verification "
+              "step's. Projected = agents x the mean accepted length measured on a trained model (given with "
+              "--reference-accepted-length) / that step time.", "",
+              "| config | agents x context | drafts n | ms/step | accepted length (measured) | tok/s (measured) | "
+              "reference accepted length | projected tok/s | verification graphs |", "|" + "---|" * 9]
+        for row in specs:
+            d, sp_ = row["decode"], row["decode"]["speculative"]
+            fmt = lambda x, f: "–" if x is None else format(x, f)  # noqa: E731
+            L.append(f"| {row['label']} | {row['agents']} x {C.fmt_len(row['context'])} | {sp_['num_speculative_tokens']} | "
+                     f"{d['step_ms_mean']:.2f} | {fmt(sp_['mean_accepted_length'], '.2f')} | {d['tok_s']:.1f} | "
+                     f"{fmt(sp_['reference_accepted_length'], '.2f')} | {fmt(sp_['projected_tok_s'], '.1f')} | "
+                     f"{'yes' if sp_['verification_graphs'] else 'no'} |")
     bds = [row for row in r["rows"] if row.get("status") == "ok" and row.get("breakdown")]
     kbds = [row for row in bds if "kernels" in row["breakdown"]]   # GPU: profiler over graph steps
     bds = [row for row in bds if "kernels" not in row["breakdown"]]  # CPU: eager region timers

@@ -51,9 +51,17 @@ PRESETS = {
 
 
 def preset_config(name: str) -> tuple[ModelConfig, dict]:
-    if name not in PRESETS:
-        raise CheckpointError(f"unknown random model preset {name!r} (choose from {', '.join(PRESETS)})")
-    raw = dict(PRESETS[name])
+    """A preset's config; the suffix `+mtp` (e.g. `random:qwen3.5-27b+mtp`) adds one MTP layer (hybrid
+    presets), for speculative-decoding speed runs (random drafts are rejected: every step verifies)."""
+    base, mtp = (name[:-len("+mtp")], True) if name.endswith("+mtp") else (name, False)
+    if base not in PRESETS:
+        raise CheckpointError(f"unknown random model preset {name!r} (choose from {', '.join(PRESETS)}; "
+                              "append +mtp for an MTP layer)")
+    raw = dict(PRESETS[base])
+    if mtp:
+        if raw["model_type"] not in ("qwen3_5_text", "qwen3_next"):
+            raise CheckpointError(f"random:{name}: MTP layers exist for qwen3_5_text / qwen3_next presets only")
+        raw["mtp_num_hidden_layers"] = 1
     return ModelConfig.from_hf(raw, f"random:{name}"), raw
 
 
