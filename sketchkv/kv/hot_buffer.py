@@ -33,8 +33,8 @@ scratch the gather wrote. `SequentialClock` in tests/test_host_tier.py spells 1-
 This is the PyTorch formulation: CLOCK's scan is a prefix computation over the partition's bits
 (runs of referenced rows -> candidates at every W-th position and at each unreferenced row;
 victims = the first M candidates), ~30 small kernels per layer and step. With kernel="triton"
-steps 2-3 and the installs run as one program per sequence instead (sketchkv/ops/clock_admit.py);
-the deduplication over the batch stays here.
+steps 2-3 and the installs run as one program per sequence instead, the admitted rows' copies as a
+parallel kernel (sketchkv/ops/clock_admit.py); the deduplication over the batch stays here.
 """
 import math
 import os

@@ -10,10 +10,13 @@ one program per sequence of the batch walks its partition:
      candidate is the victim of the c-th CLOCK miss; referenced rows before the last victim lose
      their bit (all of them when the lap runs out); hand and used advance;
   C. installs: a victim's old key leaves the map (only where the map still points at it), the new key
-     enters, the row's key and bit are set, its K/V copied from the step's scratch.
+     enters, the row's key and bit are set.
+A second kernel, one program per (sequence, tile of rows), copies the admitted rows' K/V from the step's
+scratch into the pool.
 Deduplication over the batch (a prefix-shared miss admitted once) and the "not already resident"
 filter stay in PyTorch before the kernel (`HotBuffer.admit_candidates`).
-Interpreter-tested against the PyTorch admit; not yet measured on a GPU (SparseConfig.tier_kernel).
+Interpreter-tested against the PyTorch admit; GPU-tested (run 13); the split copy kernel is not yet
+measured (SparseConfig.tier_kernel).
 """
 import torch
 
@@ -32,9 +35,8 @@ if triton is not None:
 
     @triton.jit
     def _clock_admit_kernel(keys_ptr, pids_ptr, base_ptr, cap_ptr, hand_ptr, used_ptr, ref_ptr, key_ptr, map_ptr,
-                            srck_ptr, srcv_ptr, poolk_ptr, poolv_ptr, rows_ptr, misspos_ptr,
-                            N: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HD: tl.constexpr, TN: tl.constexpr,
-                            TC: tl.constexpr, TR: tl.constexpr):
+                            rows_ptr, misspos_ptr,
+                            N: tl.constexpr, C: tl.constexpr, W: tl.constexpr, TN: tl.constexpr, TC: tl.constexpr):
         # N (misses per row), C (partition capacity bound), W: fixed per engine (constexpr; the interpreter
         # also needs constant loop bounds)
         b = tl.program_id(0)
@@ -84,24 +86,34 @@ if triton is not None:
         tl.store(hand_ptr + pid, new_hand)
         tl.store(used_ptr + pid, used + tl.minimum(M, n_free))
         tl.debug_barrier()
-        # C. installs and row copies
-        e = tl.arange(0, HD)
-        for t in range(0, N, TR):
-            j = t + tl.arange(0, TR)
+        # C. installs (the K/V row copies are a second, fully parallel kernel: _copy_rows_kernel)
+        for t in range(0, N, TN):
+            j = t + tl.arange(0, TN)
             r = tl.load(rows_ptr + b * N + j, mask=j < N, other=-1)
             ok = r >= 0
             k = tl.load(keys_ptr + b * N + j, mask=ok, other=0)
             old = tl.load(key_ptr + r, mask=ok, other=-1)
             had = ok & (old >= 0)
             cur = tl.load(map_ptr + old, mask=had, other=-1).to(tl.int64)
-            tl.store(map_ptr + old, tl.full([TR], -1, tl.int64).to(map_ptr.dtype.element_ty), mask=had & (cur == r))
+            tl.store(map_ptr + old, tl.full([TN], -1, tl.int64).to(map_ptr.dtype.element_ty), mask=had & (cur == r))
             tl.store(map_ptr + k, r.to(map_ptr.dtype.element_ty), mask=ok)
             tl.store(key_ptr + r, k, mask=ok)
-            tl.store(ref_ptr + r, tl.zeros([TR], tl.uint8), mask=ok)
-            src = (b * N + j).to(tl.int64)[:, None] * HD + e[None, :]
-            dst = r[:, None] * HD + e[None, :]
-            tl.store(poolk_ptr + dst, tl.load(srck_ptr + src, mask=ok[:, None]), mask=ok[:, None])
-            tl.store(poolv_ptr + dst, tl.load(srcv_ptr + src, mask=ok[:, None]), mask=ok[:, None])
+            tl.store(ref_ptr + r, tl.zeros([TN], tl.uint8), mask=ok)
+
+    @triton.jit
+    def _copy_rows_kernel(rows_ptr, srck_ptr, srcv_ptr, poolk_ptr, poolv_ptr, N, HD: tl.constexpr, TR: tl.constexpr):
+        # program (b, tile): TR of sequence b's admitted rows, scratch -> pool. One program per sequence
+        # copying all of them took 61.5 ms per 27B step at 8 x 250K against torch's 52.0 (run 15): 8 programs
+        # cannot move ~100 MB per layer; this grid spreads the copies over the whole GPU.
+        b = tl.program_id(0)
+        j = tl.program_id(1) * TR + tl.arange(0, TR)
+        r = tl.load(rows_ptr + b * N + j, mask=j < N, other=-1)
+        ok = r >= 0
+        e = tl.arange(0, HD)
+        src = (b * N + j).to(tl.int64)[:, None] * HD + e[None, :]
+        dst = r[:, None] * HD + e[None, :]
+        tl.store(poolk_ptr + dst, tl.load(srck_ptr + src, mask=ok[:, None]), mask=ok[:, None])
+        tl.store(poolv_ptr + dst, tl.load(srcv_ptr + src, mask=ok[:, None]), mask=ok[:, None])
 
 
 def clock_admit_triton(keys, pids, part_base, part_cap, hand, used, ref, key, hot_map, src_k, src_v, pool_k, pool_v,
@@ -117,8 +129,9 @@ def clock_admit_triton(keys, pids, part_base, part_cap, hand, used, ref, key, ho
     misspos = torch.zeros(B, N, dtype=torch.int32, device=keys.device)
     if N == 0 or B == 0:
         return rows
-    _clock_admit_kernel[(B,)](keys.contiguous(), pids, part_base, part_cap, hand, used, ref, key, hot_map,
-                              src_k.contiguous(), src_v.contiguous(), pool_k, pool_v, rows, misspos,
-                              N=N, C=max(max_cap, 1), W=window, HD=HD, TN=triton.next_power_of_2(min(max(N, 16), 1024)),
-                              TC=1024, TR=max(1, 4096 // HD))
+    _clock_admit_kernel[(B,)](keys.contiguous(), pids, part_base, part_cap, hand, used, ref, key, hot_map, rows, misspos,
+                              N=N, C=max(max_cap, 1), W=window, TN=triton.next_power_of_2(min(max(N, 16), 1024)), TC=1024)
+    TR = max(1, 4096 // HD)
+    _copy_rows_kernel[(B, triton.cdiv(N, TR))](rows, src_k.contiguous(), src_v.contiguous(), pool_k, pool_v, N,
+                                              HD=HD, TR=TR)
     return rows
