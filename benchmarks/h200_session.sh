@@ -72,6 +72,8 @@ case " $STAGES " in *" agents "*)
       # with a random MTP layer (drafts rejected: every step verifies 7 drafts); projected tok/s with the
       # reference model's accepted length at n = 7 (explain-style, run 11: 4.01); compare with `sparse`: ~5 min
       spec) A="--model random:qwen3.5-27b+mtp --configs sparse --agents 8 --contexts 128K 250K --fill random --num-speculative-tokens 7 --reference-accepted-length 4.01";;
+      # the same with one selection per sequence in verification steps (its first row's; approximate): ~5 min
+      spec-shared) A="--model random:qwen3.5-27b+mtp --configs sparse --agents 8 --contexts 128K 250K --fill random --num-speculative-tokens 7 --reference-accepted-length 4.01 --sparse-verify-selection shared";;
       # the bundled reference model on real text (realistic picks and hit rates), real prefill: ~3-4 min
       reference) A="--configs sparse dense --agents 1 8 --contexts 32K 128K 250K --fill real --breakdown";;
       *) echo "unknown agents run $run (see the runs listed in benchmarks/h200_session.sh)"; exit 2;;

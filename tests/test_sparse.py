@@ -374,3 +374,38 @@ def test_exact_selector_runs_in_the_engine_and_is_refused_with_the_tier(ckpt_wit
     assert not torch.equal(picks["sketch"], picks["exact"])
     with pytest.raises(RequestError, match="not with sparse_host_tier"):
         LLM(ckpt_with_basis, device="cpu", sparse=SparseConfig(sparse=True, selector="exact", host_tier=True))
+
+
+def test_shared_verification_selection(ckpt_with_basis_and_mtp, eager_graphs, monkeypatch):
+    """sparse_verify_selection=shared: in a verification step only each sequence's first row scores and
+    picks; every row reads those picks, the sinks and the tokens from the first row's recent window up to
+    its own position. With top-k covering the context that is every token: tokens equal plain decoding.
+    With a small top-k it is an approximation: it runs, scores one row per sequence, and the graph steps
+    (emulated on CPU) give the eager steps' tokens."""
+    from test_speculative import _run_with_oracle
+    import sketchkv.layers.sparse_attention as sa
+    path = ckpt_with_basis_and_mtp
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [_prompt(300, 21), _prompt(120, 22)]
+    wide = SparseConfig(sparse=True, top_k=512, sink_tokens=4, recent_tokens=8, dense_threshold=0,
+                        verify_selection="shared")
+    ref = [o.token_ids for o in LLM(path, device="cpu", block_size=16, sparse=wide).generate(
+        prompt_token_ids=prompts, sampling_params=sp)]
+    got = _run_with_oracle(LLM(path, device="cpu", block_size=16, sparse=wide, num_speculative_tokens=3), prompts,
+                           sp, {tuple(p): p + r for p, r in zip(prompts, ref)})
+    assert got == ref
+    scored, widths = [], []
+    score, attend = sa.sketch_score, sa.sparse_attention
+    monkeypatch.setattr(sa, "sketch_score", lambda qp, *a, **k: scored.append(qp.shape[0]) or score(qp, *a, **k))
+    monkeypatch.setattr(sa, "sparse_attention", lambda q, kc, vc, bt, idx, *a: widths.append(idx.shape[-1])
+                        or attend(q, kc, vc, bt, idx, *a))
+    small = SparseConfig(sparse=True, top_k=16, sink_tokens=4, recent_tokens=8, dense_threshold=0,
+                         verify_selection="shared")
+    eager = LLM(path, device="cpu", block_size=16, max_num_seqs=2, sparse=small, num_speculative_tokens=3)
+    want = _run_with_oracle(eager, prompts, sp, {tuple(p): p + r for p, r in zip(prompts, ref)})
+    assert 4 + 16 + 8 + 3 in widths       # verification rows: picks + sinks + recent window + the drafts
+    assert scored and max(scored) <= 2   # one scoring row per sequence, never one per draft row
+    graphed = LLM(path, device="cpu", block_size=16, max_num_seqs=2, sparse=small, num_speculative_tokens=3)
+    r = eager_graphs(graphed.engine.runner)
+    assert _run_with_oracle(graphed, prompts, sp, {tuple(p): p + r for p, r in zip(prompts, ref)}) == want
+    assert sum(type(g).count for g in r.verify_graphs.values()) > 0

@@ -534,3 +534,17 @@ def test_tier_verification_graph_steps_give_the_same_tokens(ckpt_with_basis_and_
     # the same hot-buffer traffic as eager verification (partitions per row, first-row admits)
     got, want = llm.tier_stats(), eager.tier_stats()
     assert (got.hits, got.misses) == (want.hits, want.misses)
+
+
+def test_tier_shared_verification_selection_covers_the_drafts(ckpt_with_basis_and_mtp):
+    """sparse_verify_selection=shared over the host tier: each verification row reads the first row's
+    picks plus the tokens from its recent window up to itself, all resident in the ring (R + n rows).
+    With top-k covering the context that is every token: tokens equal the tier without speculation."""
+    from test_speculative import assert_speculation_keeps_tokens
+    path = ckpt_with_basis_and_mtp
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [_prompt(300, 31), _prompt(150, 32), _prompt(40, 33)]
+    kw = dict(dtype="float32", max_num_batched_tokens=128, sparse_top_k=512, sparse_verify_selection="shared")
+    ref = [o.token_ids for o in _llm(path, True, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    llm = _llm(path, True, num_speculative_tokens=3, **kw)
+    assert_speculation_keeps_tokens(llm, prompts, sp, ref, "oracle")

@@ -43,6 +43,10 @@ class Context:
     num_drafts: list[int] | None = None       # per sequence
     verify: VerifyRows | None = None
     verify_first: torch.Tensor | None = None  # verification graphs (one decode row per row): [T] bool, a sequence's first row
+    # Verification steps, indexing the rows a layer's decode call gets: each sequence's first row, and per row the
+    # index of its sequence in verify_leaders (sparse_verify_selection=shared: the leaders select for their rows)
+    verify_leaders: torch.Tensor | None = None
+    verify_group: torch.Tensor | None = None
     # Host tier only
     resident_rows: torch.Tensor | None = None  # [T] int64: row of each new token in the tier's sinks/recent ring
     hot_pids: torch.Tensor | None = None       # [B] int64: hot-buffer partition of each sequence

@@ -60,6 +60,8 @@ class ModelRunner:
             raise RequestError(f"sparse_head_combine must be sum, max or softmax, got {sp.head_combine!r}")
         if sp.selector not in ("sketch", "exact"):
             raise RequestError(f"sparse_selector must be sketch or exact, got {sp.selector!r}")
+        if sp.verify_selection not in ("per_row", "shared"):
+            raise RequestError(f"sparse_verify_selection must be per_row or shared, got {sp.verify_selection!r}")
         if sp.tier_kernel not in ("torch", "triton"):
             raise RequestError(f"sparse_tier_kernel must be torch or triton, got {sp.tier_kernel!r}")
         if sp.selector == "exact" and sp.host_tier:
@@ -139,6 +141,8 @@ class ModelRunner:
                                          basis.means[j].to(self.device), self.dense_threshold)
             if sp.host_tier:
                 owner.attn = TieredAttention(owner.attn, j)
+            if sp.verify_selection == "shared":  # verification rows read the first row's picks + their own tokens
+                owner.attn.verify_extra = self.cfg.num_speculative_tokens
 
     def _install_qsa_tier(self) -> None:
         """qwen4_exp: each indexed_attention layer keeps its QSA indexer as the selector and moves its
@@ -391,6 +395,9 @@ class ModelRunner:
             ctx.decode_max_len = max(cached[b] + qlens[b] for b in dec)
             if ctx.num_drafts:
                 ctx.decode_lens = t([cached[b] + i + 1 for b in dec for i in range(qlens[b])], torch.int32)
+                firsts = list(itertools.accumulate([0] + [qlens[b] for b in dec[:-1]]))   # in decode-row order
+                ctx.verify_leaders = t(firsts, torch.int64)
+                ctx.verify_group = t([i for i, b in enumerate(dec) for _ in range(qlens[b])], torch.int64)
         if ctx.num_drafts:
             from sketchkv.engine.speculative import verify_rows
             ctx.verify = verify_rows(qlens, cu, [seq.state_slot for seq, _ in batch],
@@ -568,6 +575,8 @@ class ModelRunner:
         self.v_cu = torch.arange(R + 1, dtype=torch.int32, device=dev)
         self.v_out = torch.zeros(R, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
         self.v_first = torch.arange(R, device=dev) % Q == 0                  # a sequence's first row
+        self.v_leaders = torch.arange(max(sizes), device=dev) * Q
+        self.v_group = torch.arange(R, device=dev) // Q
         if self.tier is not None:
             self.v_resident_rows = torch.full((R,), self.tier.dump_row, dtype=torch.int64, device=dev)
             self.v_hot_pids = torch.full((R,), self.tier.pad_pid, dtype=torch.int64, device=dev)
@@ -578,7 +587,8 @@ class ModelRunner:
             ctx = Context(cu_seqlens_q=self.v_cu[:r + 1], seq_lens=self.v_lens[:r], slot_mapping=self.v_slot_mapping[:r],
                           block_tables=self.v_tables[:r], state_slots=self.v_row_slots[:r], query_lens=[1] * r,
                           context_lens=[1] * r, is_decode=True, max_seq_len=self.max_model_len, graph=True,
-                          sparse=sparse, verify=self.v_steps[bs], verify_first=self.v_first[:r])
+                          sparse=sparse, verify=self.v_steps[bs], verify_first=self.v_first[:r],
+                          verify_leaders=self.v_leaders[:bs], verify_group=self.v_group[:r])
             if self.tier is not None:
                 ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
             step = lambda r=r: self.v_out[:r].copy_(self.model(self.v_ids[:r], self.v_pos[:r]))

@@ -61,8 +61,8 @@ class SparseAttention(Attention):
         """The query the selector scores with (the selector interface; QSA layers use their index queries)."""
         return q
 
-    def select(self, q, block_tables, seq_lens, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> token positions [B, Hsel, S + k + R] sorted ascending (SENTINEL-padded) and counts [B]."""
+    def pick(self, q, block_tables, seq_lens, max_len: int) -> torch.Tensor:
+        """The top-k positions by the selector's scores (sinks and recent excluded): [B, Hsel, k]."""
         c = self.cfg
         B = q.shape[0]
         G = self.num_heads // self.num_kv_heads
@@ -78,12 +78,30 @@ class SparseAttention(Attention):
                                   c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale)
         if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
             scores = reduce_selection_scores(scores, c.head_combine)
-        picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL)
+        return topk_positions(scores, min(c.top_k, max_len), SENTINEL)
+
+    verify_extra = 0  # drafts per verification step, with verify_selection=shared (set by the model runner)
+
+    def select(self, q, block_tables, seq_lens, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> token positions [B, Hsel, S + k + R] sorted ascending (SENTINEL-padded) and counts [B]. In a
+        verification step with verify_selection=shared, only each sequence's first row scores and picks; every
+        row of the sequence takes those picks, the sinks and the tokens from the first row's recent window up
+        to its own position ([B, Hsel, S + k + R + n])."""
+        c, ctx = self.cfg, get_context()
+        group = ctx.verify_group if c.verify_selection == "shared" else None
+        if group is not None:
+            lead = ctx.verify_leaders
+            picks = self.pick(q[lead], block_tables[lead], seq_lens[lead], max_len)[group]
+            n_lead, extra = seq_lens[lead].long()[group][:, None, None], self.verify_extra
+        else:
+            picks = self.pick(q, block_tables, seq_lens, max_len)
+            n_lead, extra = seq_lens.long()[:, None, None], 0
+        B = q.shape[0]
         n = seq_lens.long()[:, None, None]
         ar_s = torch.arange(c.sink_tokens, device=q.device)
-        ar_r = torch.arange(c.recent_tokens, device=q.device)
+        ar_r = torch.arange(c.recent_tokens + extra, device=q.device)
         sinks = torch.where(ar_s < n, ar_s, SENTINEL)
-        recent_start = torch.maximum(n - c.recent_tokens, torch.full_like(n, c.sink_tokens))
+        recent_start = torch.maximum(n_lead - c.recent_tokens, torch.full_like(n_lead, c.sink_tokens))
         recent = torch.where(recent_start + ar_r < n, recent_start + ar_r, SENTINEL)
         H = picks.shape[1]
         idx = torch.cat([sinks.expand(B, H, -1).int(), picks, recent.expand(B, H, -1).int()], dim=-1)
