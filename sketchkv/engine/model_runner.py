@@ -500,7 +500,7 @@ class ModelRunner:
         if self.spec is not None and not self.state_layers:
             try:
                 self._capture_verify_graphs(families, sizes, pool)
-            except RuntimeError as e:  # e.g. out of memory for the rows: verification stays eager
+            except Exception as e:  # out of memory for the rows, a kernel that cannot compile: verification stays eager
                 self.verify_graphs.clear()
                 _sync(dev)
                 logger.warning("CUDA graphs for speculative verification failed, verifying eagerly: %s",
