@@ -548,3 +548,24 @@ def test_tier_shared_verification_selection_covers_the_drafts(ckpt_with_basis_an
     ref = [o.token_ids for o in _llm(path, True, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
     llm = _llm(path, True, num_speculative_tokens=3, **kw)
     assert_speculation_keeps_tokens(llm, prompts, sp, ref, "oracle")
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_decode_graphs_per_length_bucket(eager_graphs, tier):
+    """Sparse decode graphs come per length bucket (16K, 32K, ... max_model_len blocks per sequence):
+    selection in a graph spans the whole block table, so a short context replays a short graph. Emulated
+    on CPU; tokens equal eager decoding."""
+    opts = dict(device="cpu", block_size=16, max_num_seqs=2, max_model_len=32768, sparse=True, sparse_top_k=16,
+                sparse_sink_tokens=4, sparse_recent_tokens=8, sparse_dense_threshold=0)
+    if tier:
+        opts.update(sparse_host_tier=True, sparse_host_format="bf16")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [_prompt(300, 41), _prompt(90, 42)]
+    ref = [o.token_ids for o in LLM("random:tiny-hybrid", **opts).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    llm = LLM("random:tiny-hybrid", **opts)
+    r = eager_graphs(llm.engine.runner)
+    assert sorted({k[2] for k in r.graphs}) == [16384 // 16, 32768 // 16]
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+    assert got == ref
+    replays = {k: type(g).count for k, g in r.graphs.items() if type(g).count}
+    assert replays and all(k[2] == 1024 for k in replays), replays   # the 16K graphs, never the 32K ones

@@ -100,8 +100,9 @@ class ModelRunner:
             from sketchkv.engine.speculative import Speculator
             self.mtp_attn_layers = Speculator.mtp_layers(model)
             self.spec = Speculator(self, self.num_spec)
-        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (sparse family, batch bucket)
-        self.verify_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # same keys, 1 + n rows per sequence
+        # decode: (sparse family, batch bucket, blocks per sequence); verification: (sparse family, batch bucket)
+        self.graphs: dict[tuple[bool, int, int], torch.cuda.CUDAGraph] = {}
+        self.verify_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
         self.state_cache = StateCache(int(cfg.cache.state_cache_gb * 2**30), pin=device.type == "cuda") \
             if self.gdn_layers and cfg.cache.enable_prefix_caching else None
         self.num_state_slots = cfg.scheduler.max_num_seqs + 1  # last slot: scratch for graph padding
@@ -457,9 +458,9 @@ class ModelRunner:
         """Hidden states of the step's new tokens; pure decode steps replay a CUDA graph."""
         self._zero_fresh_slots(batch)
         input_ids, positions, ctx = self._context(batch)
-        bucket = self._graph_bucket(len(batch)) if graphs and ctx.is_decode else None
-        if bucket is not None:
-            return self._replay(input_ids, positions, ctx, (ctx.sparse, bucket)), ctx
+        key = self._graph_key(ctx) if graphs and ctx.is_decode else None
+        if key is not None:
+            return self._replay(input_ids, positions, ctx, key), ctx
         bucket = self._verify_bucket(ctx) if graphs else None
         if bucket is not None:
             return self._replay_verify(input_ids, positions, ctx, (ctx.sparse, bucket)), ctx
@@ -470,8 +471,24 @@ class ModelRunner:
             set_context(None)
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------
-    def _graph_bucket(self, bs: int) -> int | None:
-        return min((b for _, b in self.graphs if b >= bs), default=None)
+    def _graph_key(self, ctx: Context) -> tuple[bool, int, int] | None:
+        """The smallest captured batch bucket and length bucket that hold this decode step."""
+        need = max(ctx.block_tables.shape[1], -(-ctx.max_seq_len // self.block_size))
+        fits = [k for k in self.graphs if k[0] == ctx.sparse and k[1] >= ctx.num_seqs and k[2] >= need]
+        return min(fits, key=lambda k: (k[1], k[2]), default=None)
+
+    def _length_buckets(self) -> list[int]:
+        """Blocks per sequence of the decode graphs. Selection (sketch scores, top-k; QSA block scores) in a
+        graph spans the whole block table, so one graph for max_model_len makes a 32K step cost what a 256K
+        step costs: sparse and QSA models get graphs for 16K, 32K, 64K, ... up to max_model_len."""
+        full = self.max_blocks_per_seq
+        if not (self.sparse_layers or self.qsa_layers):
+            return [full]
+        out, n = [], 16384
+        while -(-n // self.block_size) < full:
+            out.append(-(-n // self.block_size))
+            n *= 2
+        return out + [full]
 
     def _capture_graphs(self) -> None:
         max_bs = self.cfg.scheduler.max_num_seqs
@@ -480,7 +497,7 @@ class ModelRunner:
         self.g_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.g_pos = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.g_slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # slot 0: scratch block
-        self.g_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.g_tables = {nb: torch.zeros(max_bs, nb, dtype=torch.int32, device=dev) for nb in self._length_buckets()}
         self.g_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.g_state_slots = torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=dev)
         self.g_out = torch.zeros(max_bs, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
@@ -492,11 +509,11 @@ class ModelRunner:
         # the values ctx.sparse takes at decode (see _context): dense and sparse graphs; with the host tier
         # every sketch decode is sparse; QSA layers (no sketch layers) select inside the "dense" family
         families = ([True] if self.tier is not None else [False, True]) if self.sparse_layers else [False]
-        for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:
-            ctx = self._graph_context(bs)
+        for sparse, bs, nb in [(f, b, n) for f in families for b in reversed(sizes) for n in reversed(self.g_tables)]:
+            ctx = self._graph_context(bs, nb)
             ctx.sparse = sparse
             step = lambda bs=bs: self.g_out[:bs].copy_(self.model(self.g_ids[:bs], self.g_pos[:bs]))
-            self.graphs[(sparse, bs)], pool = self._capture(ctx, step, pool)
+            self.graphs[(sparse, bs, nb)], pool = self._capture(ctx, step, pool)
         if self.spec is not None and not self.state_layers:
             try:
                 self._capture_verify_graphs(families, sizes, pool)
@@ -518,28 +535,28 @@ class ModelRunner:
         finally:
             set_context(None)
 
-    def _graph_context(self, bs: int) -> Context:
+    def _graph_context(self, bs: int, nb: int) -> Context:
         ctx = Context(cu_seqlens_q=self.g_cu[:bs + 1], seq_lens=self.g_seq_lens[:bs],
-                      slot_mapping=self.g_slot_mapping[:bs], block_tables=self.g_tables[:bs],
+                      slot_mapping=self.g_slot_mapping[:bs], block_tables=self.g_tables[nb][:bs],
                       state_slots=self.g_state_slots[:bs], query_lens=[1] * bs, context_lens=[1] * bs,
-                      is_decode=True, max_seq_len=self.max_model_len, graph=True)
+                      is_decode=True, max_seq_len=min(self.max_model_len, nb * self.block_size), graph=True)
         if self.tier is not None:
             ctx.resident_rows, ctx.hot_pids = self.g_resident_rows[:bs], self.g_hot_pids[:bs]
         return ctx
 
-    def _replay(self, input_ids, positions, ctx: Context, key: tuple[bool, int]) -> torch.Tensor:
-        bs, bucket = len(ctx.query_lens), key[1]
+    def _replay(self, input_ids, positions, ctx: Context, key: tuple[bool, int, int]) -> torch.Tensor:
+        bs, bucket, tables = len(ctx.query_lens), key[1], self.g_tables[key[2]]
         # Padded rows attend to one token of the scratch block and update the scratch state slot.
         self.g_ids[:bucket].zero_()
         self.g_pos[:bucket].zero_()
         self.g_slot_mapping[:bucket].zero_()
-        self.g_tables[:bucket].zero_()
+        tables[:bucket].zero_()
         self.g_seq_lens[:bucket].fill_(1)
         self.g_state_slots[:bucket].fill_(self.scratch_slot)
         self.g_ids[:bs] = input_ids
         self.g_pos[:bs] = positions
         self.g_slot_mapping[:bs] = ctx.slot_mapping
-        self.g_tables[:bs, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0)
+        tables[:bs, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0)
         self.g_seq_lens[:bs] = ctx.seq_lens
         self.g_state_slots[:bs] = ctx.state_slots
         if self.tier is not None:
