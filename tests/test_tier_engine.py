@@ -493,6 +493,16 @@ def test_tier_metrics_and_flags(ckpt_with_basis):
     assert value("sketchkv_tier_host_bytes_used") == 0  # finished: nothing held
 
 
+def _tier_speculation_case(path, **kw):
+    """Three prompts through chunked prefill and mixed steps, and the tier's greedy tokens without speculation:
+    (prompts, sampling params, engine options, reference tokens)."""
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [_prompt(300, 31), _prompt(150, 32), _prompt(40, 33)]
+    kw = dict(dtype="float32", max_num_batched_tokens=128, **kw)
+    ref = [o.token_ids for o in _llm(path, True, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    return prompts, sp, kw, ref
+
+
 @pytest.mark.parametrize("drafter", ["oracle", "mtp"])
 def test_tier_with_speculative_decoding_same_tokens(ckpt_with_basis_and_mtp, drafter):
     """MTP verification over the host tier: each row of a sequence (its token and its drafts) selects and
@@ -501,10 +511,7 @@ def test_tier_with_speculative_decoding_same_tokens(ckpt_with_basis_and_mtp, dra
     greedy tokens equal the tier without speculation, through chunked prefill and mixed steps."""
     from test_speculative import assert_speculation_keeps_tokens
     path = ckpt_with_basis_and_mtp
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [_prompt(300, 31), _prompt(150, 32), _prompt(40, 33)]
-    kw = dict(dtype="float32", max_num_batched_tokens=128)
-    ref = [o.token_ids for o in _llm(path, True, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    prompts, sp, kw, ref = _tier_speculation_case(path)
     llm = _llm(path, True, num_speculative_tokens=3, **kw)
     assert_speculation_keeps_tokens(llm, prompts, sp, ref, drafter)
     tier = llm.engine.runner.tier
@@ -520,10 +527,7 @@ def test_tier_verification_graph_steps_give_the_same_tokens(ckpt_with_basis_and_
     partitions, only a sequence's first row admits; tokens equal the tier without speculation."""
     from test_speculative import assert_speculation_keeps_tokens
     path = ckpt_with_basis_and_mtp
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [_prompt(300, 31), _prompt(150, 32), _prompt(40, 33)]
-    kw = dict(dtype="float32", max_num_batched_tokens=128)
-    ref = [o.token_ids for o in _llm(path, True, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    prompts, sp, kw, ref = _tier_speculation_case(path)
     eager = _llm(path, True, num_speculative_tokens=3, **kw)
     assert_speculation_keeps_tokens(eager, prompts, sp, ref, "oracle")
     llm = _llm(path, True, num_speculative_tokens=3, **kw)
@@ -542,10 +546,7 @@ def test_tier_shared_verification_selection_covers_the_drafts(ckpt_with_basis_an
     With top-k covering the context that is every token: tokens equal the tier without speculation."""
     from test_speculative import assert_speculation_keeps_tokens
     path = ckpt_with_basis_and_mtp
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [_prompt(300, 31), _prompt(150, 32), _prompt(40, 33)]
-    kw = dict(dtype="float32", max_num_batched_tokens=128, sparse_top_k=512, sparse_verify_selection="shared")
-    ref = [o.token_ids for o in _llm(path, True, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    prompts, sp, kw, ref = _tier_speculation_case(path, sparse_top_k=512, sparse_verify_selection="shared")
     llm = _llm(path, True, num_speculative_tokens=3, **kw)
     assert_speculation_keeps_tokens(llm, prompts, sp, ref, "oracle")
 

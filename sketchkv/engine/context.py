@@ -42,9 +42,9 @@ class Context:
     # decode rows (causal: row t sees the cache up to its own position)
     num_drafts: list[int] | None = None       # per sequence
     verify: VerifyRows | None = None
-    verify_first: torch.Tensor | None = None  # verification graphs (one decode row per row): [T] bool, a sequence's first row
-    # Verification steps, indexing the rows a layer's decode call gets: each sequence's first row, and per row the
-    # index of its sequence in verify_leaders (sparse_verify_selection=shared: the leaders select for their rows)
+    # Verification steps, indexing the rows a layer's decode call gets: each sequence's first row (the host
+    # tier admits its misses; with sparse_verify_selection=shared it selects for the sequence), and per row
+    # the index of its sequence in verify_leaders
     verify_leaders: torch.Tensor | None = None
     verify_group: torch.Tensor | None = None
     # Host tier only

@@ -7,7 +7,7 @@ import math
 import torch
 
 from sketchkv.config import EngineConfig
-from sketchkv.engine.context import Context, set_context
+from sketchkv.engine.context import Context, VerifyRows, set_context
 from sketchkv.engine.sequence import Sequence
 from sketchkv.errors import CapacityError, RequestError
 from sketchkv.layers.attention import Attention
@@ -576,7 +576,6 @@ class ModelRunner:
     # sequence's first row's misses. Other verification steps (fewer drafts near max_tokens, prompt
     # chunks beside them) run eagerly.
     def _capture_verify_graphs(self, families, sizes, pool) -> None:
-        from sketchkv.engine.context import VerifyRows
         Q, dev = self.num_spec + 1, self.device
         sizes = [b for b in sizes if b * Q <= max(VERIFY_GRAPH_MAX_ROWS, Q)]
         if not sizes:
@@ -591,7 +590,6 @@ class ModelRunner:
         self.v_seq_slots = torch.full((max(sizes),), self.scratch_slot, dtype=torch.int64, device=dev)
         self.v_cu = torch.arange(R + 1, dtype=torch.int32, device=dev)
         self.v_out = torch.zeros(R, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
-        self.v_first = torch.arange(R, device=dev) % Q == 0                  # a sequence's first row
         self.v_leaders = torch.arange(max(sizes), device=dev) * Q
         self.v_group = torch.arange(R, device=dev) // Q
         if self.tier is not None:
@@ -604,8 +602,8 @@ class ModelRunner:
             ctx = Context(cu_seqlens_q=self.v_cu[:r + 1], seq_lens=self.v_lens[:r], slot_mapping=self.v_slot_mapping[:r],
                           block_tables=self.v_tables[:r], state_slots=self.v_row_slots[:r], query_lens=[1] * r,
                           context_lens=[1] * r, is_decode=True, max_seq_len=self.max_model_len, graph=True,
-                          sparse=sparse, verify=self.v_steps[bs], verify_first=self.v_first[:r],
-                          verify_leaders=self.v_leaders[:bs], verify_group=self.v_group[:r])
+                          sparse=sparse, verify=self.v_steps[bs], verify_leaders=self.v_leaders[:bs],
+                          verify_group=self.v_group[:r])
             if self.tier is not None:
                 ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
             step = lambda r=r: self.v_out[:r].copy_(self.model(self.v_ids[:r], self.v_pos[:r]))

@@ -58,13 +58,11 @@ class TieredKV:
         out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      tables, counts, self.scale)
-        # verification: a sequence's rows (its token + drafts) are consecutive and pick nearly the same
-        # rows; the hot buffer's CLOCK places one row's misses per partition, so the first row's admit
-        first = ctx.verify_first  # verification graphs: every row is a decode row of its own
-        if first is None and sub is not None and ctx.num_drafts and any(ctx.num_drafts):
-            first = torch.ones_like(sub, dtype=torch.bool)
-            first[1:] = sub[1:] != sub[:-1]
-        if first is not None:
+        if ctx.verify_leaders is not None:
+            # verification: a sequence's rows (its token + drafts) pick nearly the same rows; the hot buffer's
+            # CLOCK places one row's misses per partition, so the first row's admit
+            first = torch.zeros(B, dtype=torch.bool, device=q.device)
+            first[ctx.verify_leaders] = True
             miss = torch.where(first[:, None], miss, -1)
         self.tier.hot.admit(self.layer, pids, miss, k, v, max_cap=self.tier.max_part_rows if graph else None)
         return out
