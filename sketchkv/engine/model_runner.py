@@ -62,6 +62,8 @@ class ModelRunner:
             raise RequestError(f"sparse_selector must be sketch or exact, got {sp.selector!r}")
         if sp.verify_selection not in ("per_row", "shared"):
             raise RequestError(f"sparse_verify_selection must be per_row or shared, got {sp.verify_selection!r}")
+        if sp.score_kernel not in ("auto", "fma", "dot"):
+            raise RequestError(f"sparse_score_kernel must be auto, fma or dot, got {sp.score_kernel!r}")
         if sp.tier_kernel not in ("torch", "triton"):
             raise RequestError(f"sparse_tier_kernel must be torch or triton, got {sp.tier_kernel!r}")
         if sp.selector == "exact" and sp.host_tier:

@@ -75,7 +75,8 @@ class SparseAttention(Attention):
         else:
             qp = torch.einsum("bhgd,hdr->bhgr", qg, self.basis)
             scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens, c.sink_tokens,
-                                  c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale)
+                                  c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale,
+                                  kernel=c.score_kernel)
         if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
             scores = reduce_selection_scores(scores, c.head_combine)
         return topk_positions(scores, min(c.top_k, max_len), SENTINEL)

@@ -112,78 +112,132 @@ def exact_key_scores(q, k_cache, block_tables, seq_lens, sinks: int, recent: int
 if triton is not None:
 
     @triton.jit
-    def _sketch_score_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr,
-                             sinks, recent, max_len, num_blocks,
-                             stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb, stride_ob,
-                             stride_oh, HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                             G: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
-        # One program per (sequence, BPP consecutive KV blocks). A block's sketch rows for all heads
-        # are one contiguous [BS, HKV * R/2] byte tile, loaded whole (coalesced) and read once for all
-        # G query heads of each KV head; a score is a dot over the flattened (head, dim) axis, scaled
-        # per (token, head). MODE 0: sum over the G heads, 1: max, 2: every query head stored
-        # (out row h * G + g; SHARED ignored).
+    def _sketch_score_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr,
+                             sinks, recent, max_len, num_blocks, qk_scale,
+                             stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
+                             stride_lb, stride_lp, stride_ob, stride_oh,
+                             HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
+                             G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
+        # One program per (sequence, BPP consecutive KV blocks) = TOK token rows, one KV head at a time:
+        # its [TOK, R/2] bytes load as 16-byte vectors and serve all G query heads of that KV head
+        # (CUDA-core FMAs). Nibbles become floats without int-to-float conversions (a quarter-rate
+        # instruction on Hopper, which bound the first version at ~45% of HBM bandwidth): OR-ing a nibble
+        # into the mantissa of 2^23 gives the float 2^23 + u exactly, so subtracting 2^23 + 8 yields
+        # u - 8 = v. The high nibble is masked in place (16 u) and its q pre-scaled by 1/16 (exact).
+        # MODE 0: sum over heads, 1: max, 2: softmax pass 1 (log2-sum-exp2 of this program's rows per
+        # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the
+        # per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)). qk_scale = sm_scale * log2(e).
+        # GP: unused (the dot kernel's padded group), kept for one launcher.
         b = tl.program_id(0)
+        pid = tl.program_id(1)
         n = tl.load(lens_ptr + b)
-        C: tl.constexpr = HKV * (R // 2)
-        c = tl.arange(0, C)
-        qbase = qp_ptr + b * stride_qb + (c // (R // 2)) * stride_qh + 2 * (c % (R // 2))
-        rows = tl.arange(0, BS)
-        heads = tl.arange(0, HKV)
-        for i in tl.static_range(BPP):
-            j = tl.program_id(1) * BPP + i
-            t = j * BS + rows
-            valid = (t >= sinks) & (t < n - recent)
-            live = (j * BS < n) & (j < num_blocks)
-            blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
-            packed = tl.load(sk_ptr + blk * stride_skb + rows[:, None] * C + c[None, :],
-                             mask=live & valid[:, None], other=0).to(tl.int32)
-            lo = ((packed & 15) - 8).to(tl.float32)
-            hi = ((packed >> 4) - 8).to(tl.float32)
-            scale = tl.load(sc_ptr + blk * stride_scb + rows[:, None] * HKV + heads[None, :],
-                            mask=live & valid[:, None], other=0.0).to(tl.float32)
-            acc = tl.full((BS, HKV), float("-inf") if MODE == 1 else 0.0, tl.float32)
+        TOK: tl.constexpr = BPP * BS
+        H2: tl.constexpr = R // 2
+        rows = tl.arange(0, TOK)
+        t = pid * TOK + rows
+        j = t // BS
+        live = (j * BS < n) & (j < num_blocks)
+        valid = live & (t >= sinks) & (t < n - recent)
+        blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
+        row_sk = sk_ptr + blk * stride_skb + (t % BS) * (HKV * H2)   # a row's bytes: [HKV * R/2], contiguous
+        row_sc = sc_ptr + blk * stride_scb + (t % BS) * HKV
+        k = tl.arange(0, H2)
+        d = tl.arange(0, R)
+        odd16 = tl.where((d & 1) == 1, 0.0625, 1.0)        # hi nibbles come as 16 v
+        LN2: tl.constexpr = 0.6931471805599453
+        acc = tl.full((TOK,), float("-inf") if MODE == 1 else 0.0, tl.float32)   # SHARED: over KV heads
+        run_m = tl.full((TOK,), float("-inf"), tl.float32)                       # MODE 3: online lse
+        run_l = tl.zeros((TOK,), tl.float32)
+        for h in tl.static_range(HKV):
+            packed = tl.load(row_sk[:, None] + h * H2 + k[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            lo = ((packed & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0    # v = u - 8
+            hi = ((packed & 240) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0   # 16 v
+            v = tl.reshape(tl.join(lo, hi), (TOK, R))    # dims back in order (register-local): q loads whole
+            sc = tl.load(row_sc + h, mask=valid, other=0.0).to(tl.float32)
+            hs = tl.full((TOK,), float("-inf") if MODE == 1 else 0.0, tl.float32)
+            if MODE == 3 and not SHARED:
+                run_m = tl.full((TOK,), float("-inf"), tl.float32)
+                run_l = tl.zeros((TOK,), tl.float32)
             for g in tl.static_range(G):
-                qe = tl.load(qbase + g * stride_qg).to(tl.float32)      # even dims of every head [C]
-                qo = tl.load(qbase + g * stride_qg + 1).to(tl.float32)  # odd dims
-                per_head = tl.sum(tl.reshape(lo * qe[None, :] + hi * qo[None, :], (BS, HKV, R // 2)), axis=2)
-                per_head = per_head * scale                                       # [BS, HKV]
-                if MODE == 2:
-                    score = tl.where((valid & live)[:, None], per_head, float("-inf"))
-                    tl.store(out_ptr + b * stride_ob + (heads[None, :] * G + g) * stride_oh + t[:, None], score,
-                             mask=(t < max_len)[:, None])
-                elif MODE == 0:
-                    acc = acc + per_head
-                else:
-                    acc = tl.maximum(acc, per_head)
-            if MODE != 2:
+                q = tl.load(qp_ptr + b * stride_qb + h * stride_qh + g * stride_qg + d).to(tl.float32) * odd16
+                s = tl.sum(v * q[None, :], axis=1) * sc                                 # [TOK]
+                if MODE == 0:
+                    hs = hs + s
+                elif MODE == 1:
+                    hs = tl.maximum(hs, s)
+                elif MODE == 2:
+                    x = tl.where(valid, s * qk_scale, float("-inf"))
+                    m = tl.max(x, axis=0)
+                    m = tl.where(m == float("-inf"), 0.0, m)     # no valid row: l = 0 -> -inf, not nan
+                    part = m + tl.log2(tl.sum(tl.exp2(x - m), axis=0))
+                    tl.store(lse_ptr + b * stride_lb + pid * stride_lp + h * G + g, part)
+                else:  # running log2-sum-exp2 over the heads combined, max-shifted (no underflow to -inf)
+                    lse = tl.load(lse_ptr + b * stride_lb + h * G + g)
+                    y = tl.where(valid, s * qk_scale - lse, float("-inf"))
+                    m_new = tl.maximum(run_m, y)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    run_l = run_l * tl.exp2(run_m - m_safe) + tl.exp2(y - m_safe)
+                    run_m = m_new
+            if MODE == 0 or MODE == 1:
                 if SHARED:
-                    comb = tl.sum(acc, axis=1) if MODE == 0 else tl.max(acc, axis=1)
-                    score = tl.where(valid & live, comb, float("-inf"))
-                    tl.store(out_ptr + b * stride_ob + t, score, mask=t < max_len)
+                    acc = acc + hs if MODE == 0 else tl.maximum(acc, hs)
                 else:
-                    score = tl.where((valid & live)[:, None], acc, float("-inf"))
-                    tl.store(out_ptr + b * stride_ob + heads[None, :] * stride_oh + t[:, None], score,
-                             mask=(t < max_len)[:, None])
+                    tl.store(out_ptr + b * stride_ob + h * stride_oh + t, tl.where(valid, hs, float("-inf")),
+                             mask=t < max_len)
+            elif MODE == 3 and not SHARED:
+                o = (run_m + tl.log2(run_l)) * LN2
+                tl.store(out_ptr + b * stride_ob + h * stride_oh + t, tl.where(valid, o, float("-inf")),
+                         mask=t < max_len)
+        if SHARED and MODE != 2:
+            if MODE == 3:
+                acc = (run_m + tl.log2(run_l)) * LN2
+            tl.store(out_ptr + b * stride_ob + t, tl.where(valid, acc, float("-inf")), mask=t < max_len)
 
 
-def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
-                        shared: bool = True, combine: str = "sum", sm_scale: float = 1.0) -> torch.Tensor:
-    qp = _as_groups(qp).contiguous()
+def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
+                  sm_scale, bpp, num_warps, gp):
+    """Shared launcher of the two scoring kernels (same arguments and modes). softmax: two launches over
+    the sketch (per-program partial log-sum-exp per query head, torch combines them over programs, then
+    the combined score), nothing per query head stored."""
     B, Hkv, G, r = qp.shape
     bs = sketch.shape[1]
     # each block's rows must be one contiguous [bs, Hkv * r/2] tile (how the runner allocates them)
     assert sketch.stride(1) == Hkv * (r // 2) and sketch.stride(2) == r // 2 and sketch.stride(3) == 1
     assert scale.stride(1) == Hkv and scale.stride(2) == 1
-    mode = COMBINES.index(combine)
-    rows = Hkv * G if mode == 2 else (1 if shared else Hkv)
-    out = torch.empty(B, rows, max_len, dtype=torch.float32, device=qp.device)
     nblk = triton.cdiv(max_len, bs)
-    bpp = 4  # blocks per program: more bytes in flight per program
-    _sketch_score_kernel[(B, triton.cdiv(nblk, bpp))](
-        qp, sketch, scale, block_tables, seq_lens, out, sinks, recent, max_len, min(nblk, block_tables.shape[1]),
-        qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0), scale.stride(0), block_tables.stride(0),
-        out.stride(0), out.stride(1), HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, MODE=mode, SHARED=shared)
-    return softmax_combine(out, Hkv, shared, sm_scale) if mode == 2 else out
+    grid = (B, triton.cdiv(nblk, bpp))
+    out = torch.empty(B, 1 if shared else Hkv, max_len, dtype=torch.float32, device=qp.device)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    def launch(mode, lse, stride_lb, stride_lp):
+        kernel[grid](
+            qp, sketch, scale, block_tables, seq_lens, lse, out, sinks, recent, max_len,
+            min(nblk, block_tables.shape[1]), qk_scale, qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0),
+            scale.stride(0), block_tables.stride(0), stride_lb, stride_lp, out.stride(0), out.stride(1),
+            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, num_warps=num_warps)
+
+    if combine != "softmax":
+        launch(COMBINES.index(combine), out, 0, 0)
+        return out
+    part = torch.empty(B, grid[1], Hkv * G, dtype=torch.float32, device=qp.device)
+    launch(2, part, part.stride(0), part.stride(1))
+    lse = torch.logsumexp(part * 0.6931471805599453, 1) * 1.4426950408889634     # [B, Hq], base 2
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))          # no candidate: stays -inf
+    launch(3, lse.contiguous(), lse.stride(0), 0)
+    return out
+
+
+def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
+                        shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 2,
+                        num_warps: int = 8) -> torch.Tensor:
+    """sketch_score on CUDA cores (fp32 FMAs); same meaning as sketch_score_ref up to fp32 rounding.
+    bpp (blocks per program) and num_warps: swept on an H200 by benchmarks/bench_sparse_ops.py."""
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    qp = _as_groups(qp).contiguous()
+    assert (qp.shape[-1] // 2) & (qp.shape[-1] // 2 - 1) == 0, "rank / 2 must be a power of two"
+    return _launch_score(_sketch_score_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len,
+                         shared, combine, sm_scale, bpp, num_warps, 1)
 
 
 if triton is not None:
@@ -276,40 +330,14 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
                      num_warps: int = 4) -> torch.Tensor:
     """sketch_score on tensor cores (tl.dot, fp16 operands, fp32 accumulation); same meaning as
     sketch_score_ref up to q's fp16 rounding (see the kernel). Needs r % 32 == 0 (tl.dot: K = r/2 >= 16).
-    softmax: two launches over the sketch (per-program partial log-sum-exp per query head, torch
-    combines them over programs, then the combined score), nothing per query head stored.
-    bpp (blocks per program) and num_warps: not yet measured; offline sm_90 compile at block 64, r 64:
-    bpp 2 / 4 warps ~100 registers (up to 5 programs per SM), bpp 4 / 4 warps ~200 (2 per SM)."""
+    bpp (blocks per program) and num_warps: swept on an H200 by benchmarks/bench_sparse_ops.py."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     qp = _as_groups(qp).contiguous()
-    B, Hkv, G, r = qp.shape
-    bs = sketch.shape[1]
-    assert r % 32 == 0, "tl.dot needs K = r/2 >= 16 (and a power of two)"
-    assert sketch.stride(1) == Hkv * (r // 2) and sketch.stride(2) == r // 2 and sketch.stride(3) == 1
-    assert scale.stride(1) == Hkv and scale.stride(2) == 1
-    gp = max(16, triton.next_power_of_2(G))
-    nblk = triton.cdiv(max_len, bs)
-    grid = (B, triton.cdiv(nblk, bpp))
-    out = torch.empty(B, 1 if shared else Hkv, max_len, dtype=torch.float32, device=qp.device)
-    qk_scale = sm_scale * 1.4426950408889634
-
-    def launch(mode, lse, stride_lb, stride_lp):
-        _sketch_score_dot_kernel[grid](
-            qp, sketch, scale, block_tables, seq_lens, lse, out, sinks, recent, max_len,
-            min(nblk, block_tables.shape[1]), qk_scale, qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0),
-            scale.stride(0), block_tables.stride(0), stride_lb, stride_lp, out.stride(0), out.stride(1),
-            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, num_warps=num_warps)
-
-    if combine != "softmax":
-        launch(COMBINES.index(combine), out, 0, 0)
-        return out
-    part = torch.empty(B, grid[1], Hkv * G, dtype=torch.float32, device=qp.device)
-    launch(2, part, part.stride(0), part.stride(1))
-    lse = torch.logsumexp(part * 0.6931471805599453, 1) * 1.4426950408889634     # [B, Hq], base 2
-    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))          # no candidate: stays -inf
-    launch(3, lse.contiguous(), lse.stride(0), 0)
-    return out
+    assert qp.shape[-1] % 32 == 0, "tl.dot needs K = r/2 >= 16 (and a power of two)"
+    gp = max(16, triton.next_power_of_2(qp.shape[2]))
+    return _launch_score(_sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
+                         max_len, shared, combine, sm_scale, bpp, num_warps, gp)
 
 
 def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,

@@ -1,0 +1,107 @@
+"""Sketch scoring kernels on a GPU: every (kernel, blocks per program, warps) tile, against the bytes
+floor at the HBM copy bandwidth measured in the same run, after a correctness check of each tile
+against the PyTorch reference on fresh random inputs.
+
+    python benchmarks/bench_sketch_score.py --out benchmarks/results/sketch-score.json [--quick]
+
+Shape: one Qwen3.5-27B full-attention layer at batch 8 x 250K tokens (4 KV heads, rank-64 int4 sketch,
+block size 64, 64 sinks + 1,024 recent excluded), the engine's calls: `sum` scores the group-summed
+query ([B, Hkv, r]: one dot per KV head), `softmax` every query head ([B, Hkv, 6, r], two passes).
+Floor: sketch bytes read (x2 for softmax's two passes) + one fp32 score per token written, at the copy
+bandwidth (2 x bytes / time of a 1 GiB device copy). Goal (issue 4): >= 70% of it.
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, ".")
+from sketchkv.ops.sketch import quantize_int4, sketch_score_dot, sketch_score_ref, sketch_score_triton  # noqa: E402
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") / 1e3
+
+
+def copy_bw() -> float:
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    return 2 * a.numel() / bench(lambda: b.copy_(a))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=250_000)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="the default tiles only")
+    p.add_argument("--out", default="benchmarks/results/sketch-score.json")
+    a = p.parse_args()
+    B, L, Hq, Hkv, r, bs, sinks, recent = a.batch, a.context, 24, 4, a.rank, 64, 64, 1024
+    G = Hq // Hkv
+    torch.manual_seed(0)
+    bw = copy_bw()
+    nblk = B * triton.cdiv(L, bs) + 1
+    tables = (torch.randperm(nblk - 1, device="cuda")[: B * triton.cdiv(L, bs)] + 1).int().view(B, -1)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    lens[1::2] -= torch.randint(0, L // 4, (B // 2,), device="cuda", dtype=torch.int32)   # ragged lengths
+    sk, sc = quantize_int4(torch.randn(nblk, bs, Hkv, r, device="cuda"))
+    max_len = tables.shape[1] * bs
+    q_sum = torch.randn(B, Hkv, r, device="cuda") * 2
+    q_heads = torch.randn(B, Hkv, G, r, device="cuda") * 2
+    sm = 256 ** -0.5
+    tokens = int(lens.sum())
+    read = tokens * Hkv * (r // 2 + 2)
+    floors = {"sum": (read + B * max_len * 4) / bw, "softmax": (2 * read + B * max_len * 4) / bw}
+    cases = {"sum": (q_sum, "sum"), "softmax": (q_heads, "softmax")}
+    refs = {}
+    for name, (q, combine) in cases.items():   # reference on two sequences (one full, one ragged)
+        refs[name] = sketch_score_ref(q[:2], sk, sc, tables[:2], lens[:2], sinks, recent, max_len, True, combine, sm)
+
+    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot}
+    tiles = {"fma": [(2, 8)] if a.quick else [(1, 2), (1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)],
+             "dot": [(2, 4)] if a.quick else [(1, 4), (2, 4), (2, 8), (4, 8)]}
+    rows = []
+    for name, (q, combine) in cases.items():
+        ref = refs[name]
+        fin = torch.isfinite(ref)
+        for kname, fn in kernels.items():
+            for bpp, nw in tiles[kname]:
+                def call():
+                    return fn(q, sk, sc, tables, lens, sinks, recent, max_len, True, combine, sm, bpp=bpp, num_warps=nw)
+                try:
+                    out = call()
+                except Exception as e:  # a tile that does not compile (registers, shared memory) is reported
+                    rows.append(dict(case=name, kernel=kname, bpp=bpp, warps=nw, error=str(e).split("\n")[0][:200]))
+                    print(f"{name:8s} {kname} bpp {bpp} warps {nw}: {rows[-1]['error']}")
+                    continue
+                o = out[:2]
+                same_inf = bool(torch.equal(torch.isinf(o), torch.isinf(ref)))
+                err = ((o[fin] - ref[fin]).abs() / (1 + ref[fin].abs())).max().item()
+                t = bench(call)
+                rows.append(dict(case=name, kernel=kname, bpp=bpp, warps=nw, us=t * 1e6, floor_us=floors[name] * 1e6,
+                                 fraction_of_copy=floors[name] / t, max_rel_err=err, same_masked=same_inf))
+                print(f"{name:8s} {kname} bpp {bpp} warps {nw:2d}: {t * 1e6:7.1f} us, floor {floors[name] * 1e6:.0f} us "
+                      f"({floors[name] / t:.0%}), rel err {err:.1e}, masks equal {same_inf}")
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=time.strftime("%Y-%m-%d %H:%M"), command=" ".join(sys.argv), copy_GBps=bw / 1e9,
+               shape=dict(batch=B, context=L, tokens=tokens, Hq=Hq, Hkv=Hkv, rank=r, block=bs), rows=rows)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\nHBM copy {bw / 1e9:.0f} GB/s; {B} x {L} tokens (ragged: {tokens} in all), rank {r}")
+    print("| case | kernel | best tile (bpp x warps) | us | floor us | of copy bw |")
+    print("|---|---|---|---|---|---|")
+    for name in cases:
+        for kname in kernels:
+            ok = [x for x in rows if x["case"] == name and x["kernel"] == kname and "us" in x]
+            if ok:
+                best = min(ok, key=lambda x: x["us"])
+                print(f"| {name} | {kname} | {best['bpp']} x {best['warps']} | {best['us']:.0f} | {best['floor_us']:.0f} | "
+                      f"{best['fraction_of_copy']:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
