@@ -213,7 +213,9 @@ class HotBuffer:
         # 1. which keys to admit: picks, not resident, first occurrence in the batch (row-major order)
         valid = keys >= 0
         valid &= self.map[layer, torch.where(valid, keys, self.dump_key)] < 0
-        flat = torch.where(valid, keys, torch.iinfo(torch.int64).max).flatten()
+        # 32-bit keys (host slots < 2^31 - 1): a radix sort of half the passes of int64's
+        key_t = torch.int32 if self.S < torch.iinfo(torch.int32).max else torch.int64
+        flat = torch.where(valid, keys, torch.iinfo(key_t).max).to(key_t).flatten()
         sk, order = torch.sort(flat, stable=True)
         dup_sorted = torch.zeros_like(sk, dtype=torch.bool)
         dup_sorted[1:] = sk[1:] == sk[:-1]

@@ -221,7 +221,8 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, sort: bool 
     device, no sync). Triton on CUDA (src pinned or on the GPU) and under TRITON_INTERPRET=1; the
     reference otherwise. kw: rows_per_program, num_warps (kernel knobs)."""
     if sort:
-        rows, perm = torch.sort(rows, dim=-1)
+        # 32-bit keys (host rows < 2^31): a radix sort of half the passes of int64's
+        rows, perm = torch.sort(rows.to(torch.int32) if src.shape[0] < 2**31 else rows, dim=-1)
         if dst_rows is None:
             dst_rows = perm
         else:

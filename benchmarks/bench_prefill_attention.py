@@ -1,0 +1,91 @@
+"""Prefill attention backends on a GPU at the 27B shape (24 query / 4 KV heads x 256, bf16): one chunk of
+Lq new queries over a cached prefix of P tokens, as chunked prefill runs it. Each backend is checked
+against the flash path and timed; TFLOP/s counts the causal work
+(4 x Lq x (P + Lq / 2) x Hq x D).
+
+    python benchmarks/bench_prefill_attention.py --out benchmarks/results/prefill-attention.json
+
+Backends: flash (SDPA's FlashAttention-2 op, what sketchkv/ops/prefill_attention.py runs: two calls +
+log-sum-exp merge when there is a prefix) and cudnn (SDPA's cuDNN op, same split; with the KV heads as
+they are (GQA) and expanded to the query heads), compared with the flash output (relative error).
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, ".")
+from sketchkv.ops import prefill_attention as pa  # noqa: E402
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=3, rep=20, return_mode="median") / 1e3
+
+
+def cudnn(q, k, v, causal, scale):
+    """q [1, Hq, L, D], k / v [1, Hkv or Hq, Lk, D] -> (out, lse [1, Hq, L])."""
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return r[0], r[1].reshape(q.shape[0], q.shape[1], -1)[..., : q.shape[2]]
+
+
+def split_attention(attn, q, k, v, scale):
+    """The prefix split of prefix_causal_attention with a given (out, lse) kernel."""
+    Lq, Hq, D = q.shape
+    Lk = k.shape[0]
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    P = Lk - Lq
+    o2, l2 = attn(qt, kt[:, :, P:], vt[:, :, P:], True, scale)
+    if P == 0:
+        return o2[0].transpose(0, 1)
+    o1, l1 = attn(qt, kt[:, :, :P], vt[:, :, :P], False, scale)
+    lse = torch.logaddexp(l1, l2)
+    o = o1.float() * (l1 - lse).exp_().unsqueeze(-1)
+    o.addcmul_(o2.float(), (l2 - lse).exp_().unsqueeze(-1))
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chunk", type=int, default=16384)
+    p.add_argument("--prefixes", type=int, nargs="+", default=[0, 65536, 114688, 229376])
+    p.add_argument("--out", default="benchmarks/results/prefill-attention.json")
+    a = p.parse_args()
+    Hq, Hkv, D = 24, 4, 256
+    scale = D ** -0.5
+    torch.manual_seed(0)
+    rows = []
+    for P in a.prefixes:
+        Lq, Lk = a.chunk, P + a.chunk
+        q = torch.randn(Lq, Hq, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(Lk, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        flops = 4 * Lq * (P + Lq / 2) * Hq * D
+        ref = pa.prefix_causal_attention(q, k, v, scale)
+        ke, ve = (x.repeat_interleave(Hq // Hkv, 1) for x in (k, v))
+        cands = {"flash": lambda: pa.prefix_causal_attention(q, k, v, scale),
+                 "cudnn gqa": lambda: split_attention(cudnn, q, k, v, scale),
+                 "cudnn expanded": lambda: split_attention(cudnn, q, ke, ve, scale)}
+        for name, fn in cands.items():
+            try:
+                out = fn()
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                t = bench(fn)
+                rows.append(dict(backend=name, prefix=P, chunk=Lq, ms=t * 1e3, tflops=flops / t / 1e12, rel_err_vs_flash=err))
+                print(f"P={P:7d} Lq={Lq}: {name:15s} {t * 1e3:8.2f} ms  {flops / t / 1e12:6.0f} TFLOP/s  err vs flash {err:.1e}")
+            except Exception as e:
+                rows.append(dict(backend=name, prefix=P, chunk=Lq, error=str(e).split("\n")[0][:300]))
+                print(f"P={P:7d} Lq={Lq}: {name:15s} failed: {rows[-1]['error']}")
+        del q, k, v, ke, ve
+        torch.cuda.empty_cache()
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cudnn=torch.backends.cudnn.version(),
+               date=time.strftime("%Y-%m-%d %H:%M"), command=" ".join(sys.argv), shape=dict(Hq=Hq, Hkv=Hkv, D=D),
+               rows=rows)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
