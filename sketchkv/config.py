@@ -48,7 +48,7 @@ class SparseConfig:
     host_format: str = field(default="int4", metadata={"help": "host rows: int4 | int8 | bf16"})
     hot_fraction: float = field(default=0.025, metadata={"help": "GPU hot-buffer rows per sequence, as a fraction of its tokens"})
     host_budget_gb: float | None = field(default=None, metadata={"help": "host RAM for the tier (default: half of the available RAM)"})
-    tier_kernel: str = field(default="torch", metadata={"help": "the host tier's per-step kernels: torch (the PyTorch reference, measured) | triton (fused kernels per layer: the K/V scratch composition, the CLOCK admit and its row copies; GPU-tested; 61.5 vs 52.0 ms per 27B step at 8 x 250K in run 15, before the admit's row copies became a parallel kernel: re-measure)"})
+    tier_kernel: str = field(default="triton", metadata={"help": "the host tier's per-step kernels: triton (fused kernels per layer: the K/V scratch composition, the CLOCK admit and its row copies; H200 run 17, 27B shape at 8 x 250K: ~5,400 instead of ~8,300 kernels per step, the tier's torch index/elementwise time 15.0 -> 5.1 ms) | torch (the PyTorch reference: the same result, ~50 small kernels per layer and step)"})
     gpu_budget_gb: float | None = field(default=None, metadata={"help": "GPU memory for the tier: sketches, sinks + tails, hot buffer (default: what is free after weights and activations)"})
 
 

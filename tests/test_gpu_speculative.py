@@ -1,5 +1,5 @@
 """MTP speculative decoding on the GPU (fla decode kernels in verification, CUDA graphs for pure
-decode steps and for steady-state verification steps): greedy tokens equal non-speculative decoding in fp32; in bf16 the agreement is
+decode steps and for steady-state verification steps; dense, sparse, sparse over the host tier): greedy tokens equal non-speculative decoding in fp32; in bf16 the agreement is
 printed (verification batches rows differently, so a near-tie may flip)."""
 import pytest
 import torch
@@ -23,10 +23,10 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("sparse", [False, True])
-def test_gpu_speculative_greedy_matches(ckpt, dtype, sparse):
+@pytest.mark.parametrize("mode", ["dense", "sparse", "tier"])
+def test_gpu_speculative_greedy_matches(ckpt, dtype, mode):
     kw = dict(device="cuda", dtype=dtype, block_size=16, max_num_seqs=8, num_kv_blocks=2048)  # engines share the card
-    if sparse:
+    if mode != "dense":
         from sketchkv.config import SparseConfig
         import os
         from sketchkv.kv.fit_basis import fit_basis
@@ -35,7 +35,8 @@ def test_gpu_speculative_greedy_matches(ckpt, dtype, sparse):
             calib = os.path.join(ckpt, "calib.txt")
             open(calib, "w").write("def f(x):\n    return x + 1\n" * 300)
             fit_basis(LLM(ckpt, **kw), [calib], rank=16, max_tokens=3000, seq_len=1024, out=basis)
-        kw["sparse"] = SparseConfig(sparse=True, top_k=32, sink_tokens=4, recent_tokens=16, dense_threshold=0)
+        kw["sparse"] = SparseConfig(sparse=True, top_k=32, sink_tokens=4, recent_tokens=16, dense_threshold=0,
+                                    host_tier=mode == "tier")
     prompts = _prompts((300, 77, 140, 33), 2)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = [o.token_ids for o in LLM(ckpt, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
@@ -45,6 +46,6 @@ def test_gpu_speculative_greedy_matches(ckpt, dtype, sparse):
     oracle = _run_with_oracle(LLM(ckpt, num_speculative_tokens=7, **kw), prompts, sp,
                               {tuple(p): p + r for p, r in zip(prompts, ref)})
     agree = [sum(a == b for a, b in zip(x, y)) / len(y) for x, y in zip(got + oracle, ref + ref)]
-    print(f"dtype={dtype} sparse={sparse} agreement with non-speculative: {agree}")
+    print(f"dtype={dtype} mode={mode} agreement with non-speculative: {agree}")
     if dtype == "float32":
         assert got == ref and oracle == ref

@@ -12,6 +12,7 @@ from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import (dequantize_int4, quantize_int4, sketch_score, sketch_score_dot, sketch_score_ref,
                                  softmax_combine)
+from sketchkv.ops.selection import compose_selection, compose_selection_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import topk, topk_positions, topk_positions_torch, topk_ref
 from conftest import run_interpreter_tests
@@ -221,6 +222,47 @@ def test_interp_sparse_attention_kernel_matches_reference(shared):
     out = sparse_attention(q, kc, vc, tables, idx, counts, D ** -0.5)
     ref = sparse_attention_ref(q, kc, vc, tables, idx, counts, D ** -0.5)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def _random_picks(lens, leads, H, k, sinks, recent, gen):
+    """Ascending, SENTINEL-padded top-k style picks among each row's candidates [sinks, lead - recent)."""
+    picks = torch.full((len(lens), H, k), 2**31 - 1, dtype=torch.int32)
+    for b, lead in enumerate(leads):
+        cand = torch.arange(sinks, max(sinks, lead - recent))
+        for h in range(H):
+            m = int(torch.randint(0, min(k, len(cand)) + 1, (1,), generator=gen)) if len(cand) else 0
+            if b % 2 == 0:
+                m = min(k, len(cand))       # the usual case: a full top-k
+            sel = cand[torch.randperm(len(cand), generator=gen)[:m]]
+            picks[b, h, :m] = torch.sort(sel).values.int()
+    return picks
+
+
+def test_compose_selection_groups_are_ascending_and_compacted():
+    gen = torch.Generator().manual_seed(3)
+    lens, sinks, recent, k = [3, 20, 90, 300, 47], 8, 16, 32
+    idx, counts = compose_selection_ref(_random_picks(lens, lens, 2, k, sinks, recent, gen), torch.tensor(lens),
+                                        torch.tensor(lens), sinks, recent)
+    for b, n in enumerate(lens):
+        c = int(counts[b])
+        row = idx[b, 0]
+        assert (row[:c] < n).all() and (row[c:] == 2**31 - 1).all() and (row[:c].diff() > 0).all()
+        assert set(range(min(n, sinks))) | set(range(max(sinks, n - recent), n)) <= set(row[:c].tolist())
+
+
+@needs_interp
+def test_interp_compose_selection_kernel_matches_reference():
+    gen = torch.Generator().manual_seed(5)
+    sinks, recent = 8, 16
+    for lens, leads, H, k, extra in (([3, 20, 90, 300, 47], [3, 20, 90, 300, 47], 1, 32, 0),
+                                     ([5, 700, 64, 2000], [5, 700, 64, 2000], 2, 40, 0),
+                                     ([30, 31, 32, 400, 401, 402], [30, 30, 30, 400, 400, 400], 1, 1200, 2)):
+        picks = _random_picks(lens, leads, H, k, sinks, recent, gen)
+        args = (picks, torch.tensor(lens, dtype=torch.int32), torch.tensor(leads, dtype=torch.int32), sinks, recent,
+                extra)
+        idx, counts = compose_selection(*args)
+        ref_idx, ref_counts = compose_selection_ref(*args)
+        assert torch.equal(idx, ref_idx) and torch.equal(counts, ref_counts)
 
 
 def test_interpreter_child():

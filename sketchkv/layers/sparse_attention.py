@@ -14,12 +14,12 @@ import torch
 from sketchkv.config import SparseConfig
 from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
+from sketchkv.ops.selection import SENTINEL, compose_selection
 from sketchkv.ops.sketch import exact_key_scores, quantize_int4, sketch_score
 from sketchkv.ops.sparse_attention import sparse_attention
 from sketchkv.ops.topk import topk_positions
 from sketchkv.parallel.comm import reduce_selection_scores
 
-SENTINEL = torch.iinfo(torch.int32).max
 
 
 class SparseAttention(Attention):
@@ -93,19 +93,7 @@ class SparseAttention(Attention):
         if group is not None:
             lead = ctx.verify_leaders
             picks = self.pick(q[lead], block_tables[lead], seq_lens[lead], max_len)[group]
-            n_lead, extra = seq_lens[lead].long()[group][:, None, None], self.verify_extra
-        else:
-            picks = self.pick(q, block_tables, seq_lens, max_len)
-            n_lead, extra = seq_lens.long()[:, None, None], 0
-        B = q.shape[0]
-        n = seq_lens.long()[:, None, None]
-        ar_s = torch.arange(c.sink_tokens, device=q.device)
-        ar_r = torch.arange(c.recent_tokens + extra, device=q.device)
-        sinks = torch.where(ar_s < n, ar_s, SENTINEL)
-        recent_start = torch.maximum(n_lead - c.recent_tokens, torch.full_like(n_lead, c.sink_tokens))
-        recent = torch.where(recent_start + ar_r < n, recent_start + ar_r, SENTINEL)
-        H = picks.shape[1]
-        idx = torch.cat([sinks.expand(B, H, -1).int(), picks, recent.expand(B, H, -1).int()], dim=-1)
-        idx = torch.sort(idx, dim=-1).values
-        counts = (idx[:, 0] < SENTINEL).sum(-1).to(torch.int32)
-        return idx.to(torch.int32), counts
+            return compose_selection(picks, seq_lens, seq_lens[lead][group], c.sink_tokens, c.recent_tokens,
+                                     self.verify_extra)
+        picks = self.pick(q, block_tables, seq_lens, max_len)
+        return compose_selection(picks, seq_lens, seq_lens, c.sink_tokens, c.recent_tokens)

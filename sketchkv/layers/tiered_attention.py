@@ -61,8 +61,9 @@ class TieredKV:
         if ctx.verify_leaders is not None:
             # verification: a sequence's rows (its token + drafts) pick nearly the same rows; the hot buffer's
             # CLOCK places one row's misses per partition, so the first row's admit
-            first = torch.zeros(B, dtype=torch.bool, device=q.device)
-            first[ctx.verify_leaders] = True
+            # index_fill_, not `first[leaders] = True`: a Python scalar through an index tensor is a host-to-device
+            # copy, which a CUDA-graph capture refuses (H200 run 17: verification graphs fell back to eager)
+            first = torch.zeros(B, dtype=torch.bool, device=q.device).index_fill_(0, ctx.verify_leaders, True)
             miss = torch.where(first[:, None], miss, -1)
         self.tier.hot.admit(self.layer, pids, miss, k, v, max_cap=self.tier.max_part_rows if graph else None)
         return out

@@ -15,8 +15,8 @@ A second kernel, one program per (sequence, tile of rows), copies the admitted r
 scratch into the pool.
 Deduplication over the batch (a prefix-shared miss admitted once) and the "not already resident"
 filter stay in PyTorch before the kernel (`HotBuffer.admit_candidates`).
-Interpreter-tested against the PyTorch admit; GPU-tested (run 13); the split copy kernel is not yet
-measured (SparseConfig.tier_kernel).
+Interpreter-tested against the PyTorch admit; GPU-tested (runs 13, 16); measured in run 17 (0.85 ms per
+27B step at 8 x 250K for 16 layers): the engine's default (SparseConfig.tier_kernel).
 """
 import torch
 

@@ -228,8 +228,8 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
 
 
 def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
-                        shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 2,
-                        num_warps: int = 8) -> torch.Tensor:
+                        shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 1,
+                        num_warps: int = 2) -> torch.Tensor:
     """sketch_score on CUDA cores (fp32 FMAs); same meaning as sketch_score_ref up to fp32 rounding.
     bpp (blocks per program) and num_warps: swept on an H200 by benchmarks/bench_sparse_ops.py."""
     if combine not in COMBINES:
@@ -344,8 +344,9 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
                  shared: bool = True, combine: str = "sum", sm_scale: float = 1.0,
                  kernel: str = "auto") -> torch.Tensor:
     """kernel: "fma" (CUDA-core dots), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
-    take "fma": tl.dot needs r/2 >= 16) or "auto": the faster one measured on an H200 at 8 x 250K (run 9):
-    fma for sum / max (149 vs 172 us), dot for softmax (568 vs 1,511 us: fma keeps per-head rows for torch)."""
+    take "fma": tl.dot needs r/2 >= 16) or "auto": the faster one measured on an H200 at 8 x 250K, one layer
+    of the 27B shape (run 17, benchmarks/bench_sketch_score.py): fma for sum / max (120 us, 51% of the copy
+    bandwidth, vs 162), dot for softmax (557 vs 1,100 us: 24 per-head dots per token on CUDA cores)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     if kernel not in ("auto", "fma", "dot"):

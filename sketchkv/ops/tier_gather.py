@@ -14,8 +14,8 @@ rows from `res_base`), so every non-miss row is one copy from it. Hit and miss c
 
 `compose_rows_ref` is the PyTorch formulation (~20 small kernels); `compose_rows_triton` does the
 classification, the lookup and the copy in one kernel (one program per sequence and ROWS rows):
-interpreter-tested against the reference, not yet measured on a GPU (the engine's default stays
-the reference: SparseConfig.tier_kernel).
+interpreter-tested against the reference, GPU-tested, the engine's default since H200 run 17
+(SparseConfig.tier_kernel).
 """
 import os
 
@@ -127,7 +127,7 @@ def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_ma
 
 def compose_rows(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v, counters,
                  *, kernel: str = "torch", **kw):
-    """kernel: "torch" (the reference, the engine's default) or "triton" (CUDA, or TRITON_INTERPRET=1)."""
+    """kernel: "triton" (the engine's default; CUDA, or TRITON_INTERPRET=1) or "torch" (the reference)."""
     args = (pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v, counters)
     if kernel == "triton" and triton is not None and (rows_k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return compose_rows_triton(*args, **kw)
