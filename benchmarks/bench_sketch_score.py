@@ -12,6 +12,7 @@ bandwidth (2 x bytes / time of a 1 GiB device copy). Goal (issue 4): >= 70% of i
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -19,17 +20,9 @@ import torch
 import triton
 
 sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sparse_ops import bench, copy_bw  # noqa: E402
 from sketchkv.ops.sketch import quantize_int4, sketch_score_dot, sketch_score_ref, sketch_score_triton  # noqa: E402
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") / 1e3
-
-
-def copy_bw() -> float:
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    return 2 * a.numel() / bench(lambda: b.copy_(a))
 
 
 def main():

@@ -112,6 +112,24 @@ def exact_key_scores(q, k_cache, block_tables, seq_lens, sinks: int, recent: int
 if triton is not None:
 
     @triton.jit
+    def _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks, stride_skb, stride_scb, stride_btb,
+                    HKV: tl.constexpr, H2: tl.constexpr, BS: tl.constexpr, TOK: tl.constexpr):
+        """This program's TOK token rows (program (sequence b, tile pid)): positions t, which are candidates
+        (inside the sequence, outside sinks and the recent window), and each row's sketch bytes [HKV * H2]
+        (contiguous) and scales through the block table."""
+        b = tl.program_id(0)
+        pid = tl.program_id(1)
+        n = tl.load(lens_ptr + b)
+        t = pid * TOK + tl.arange(0, TOK)
+        j = t // BS
+        live = (j * BS < n) & (j < num_blocks)
+        valid = live & (t >= sinks) & (t < n - recent)
+        blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
+        row_sk = sk_ptr + blk * stride_skb + (t % BS) * (HKV * H2)
+        row_sc = sc_ptr + blk * stride_scb + (t % BS) * HKV
+        return b, pid, t, valid, row_sk, row_sc
+
+    @triton.jit
     def _sketch_score_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr,
                              sinks, recent, max_len, num_blocks, qk_scale,
                              stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
@@ -128,19 +146,10 @@ if triton is not None:
         # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the
         # per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)). qk_scale = sm_scale * log2(e).
         # GP: unused (the dot kernel's padded group), kept for one launcher.
-        b = tl.program_id(0)
-        pid = tl.program_id(1)
-        n = tl.load(lens_ptr + b)
+        b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
+                                                       stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
         TOK: tl.constexpr = BPP * BS
         H2: tl.constexpr = R // 2
-        rows = tl.arange(0, TOK)
-        t = pid * TOK + rows
-        j = t // BS
-        live = (j * BS < n) & (j < num_blocks)
-        valid = live & (t >= sinks) & (t < n - recent)
-        blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
-        row_sk = sk_ptr + blk * stride_skb + (t % BS) * (HKV * H2)   # a row's bytes: [HKV * R/2], contiguous
-        row_sc = sc_ptr + blk * stride_scb + (t % BS) * HKV
         k = tl.arange(0, H2)
         d = tl.arange(0, R)
         odd16 = tl.where((d & 1) == 1, 0.0625, 1.0)        # hi nibbles come as 16 v
@@ -255,19 +264,10 @@ if triton is not None:
         # MODE 0: sum over heads, 1: max, 2: softmax pass 1 (log2-sum-exp2 of this program's rows per
         # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the
         # per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)). qk_scale = sm_scale * log2(e).
-        b = tl.program_id(0)
-        pid = tl.program_id(1)
-        n = tl.load(lens_ptr + b)
+        b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
+                                                       stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
         TOK: tl.constexpr = BPP * BS
         H2: tl.constexpr = R // 2
-        rows = tl.arange(0, TOK)
-        t = pid * TOK + rows
-        j = t // BS
-        live = (j * BS < n) & (j < num_blocks)
-        valid = live & (t >= sinks) & (t < n - recent)
-        blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
-        row_sk = sk_ptr + blk * stride_skb + (t % BS) * (HKV * H2)   # a row's bytes: [HKV * R/2], contiguous
-        row_sc = sc_ptr + blk * stride_scb + (t % BS) * HKV
         k = tl.arange(0, H2)
         gs = tl.arange(0, GP)
         gmask = gs < G
