@@ -451,3 +451,11 @@ def test_shared_verification_selection(ckpt_with_basis_and_mtp, eager_graphs, mo
     r = eager_graphs(graphed.engine.runner)
     assert _run_with_oracle(graphed, prompts, sp, {tuple(p): p + r for p, r in zip(prompts, ref)}) == want
     assert sum(type(g).count for g in r.verify_graphs.values()) > 0
+
+
+@pytest.mark.parametrize("knob,value", [("sparse_head_combine", "mean"), ("sparse_score_kernel", "wgmma"),
+                                        ("sparse_verify_selection", "every"), ("sparse_tier_kernel", "cuda")])
+def test_bad_sparse_knob_is_one_line_error(ckpt_with_basis, knob, value):
+    from sketchkv.errors import RequestError
+    with pytest.raises(RequestError, match=f"{knob} must be .*got '{value}'"):
+        LLM(ckpt_with_basis, device="cpu", sparse=True, **{knob: value})
