@@ -43,7 +43,7 @@ from sketchkv.layers.sampler import _filter
 def verify_rows(query_lens: list[int], cu: list[int], state_slots: list[int], decoding: list[bool],
                 device) -> VerifyRows:
     """Row and slot lists for `GatedDeltaNet.forward_verify`."""
-    t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=device)
+    t = lambda x, dt=torch.int64: to_device(x, dt, device)
     dec = [b for b, d in enumerate(decoding) if d]
     steps = []
     for pos in range(max(query_lens[b] for b in dec)):
@@ -58,17 +58,29 @@ def verify_rows(query_lens: list[int], cu: list[int], state_slots: list[int], de
     return vr
 
 
-def draw(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
-    """One draft token per row and the distribution it was drawn from (None for greedy requests,
-    which draft the argmax)."""
+def draw(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """One draft token per row (a device tensor: no host sync) and the distribution it was drawn from
+    (None for greedy requests, which draft the argmax)."""
     logits = logits.float()
-    toks = torch.argmax(logits, -1).tolist()
+    toks = torch.argmax(logits, -1)
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     for i, s in enumerate(seqs):
         if not s.params.greedy:
             probs[i] = torch.softmax(_filter(logits[i], s.params), -1)
-            toks[i] = torch.multinomial(probs[i], 1, generator=s.generator).item()
+            toks[i] = torch.multinomial(probs[i], 1, generator=s.generator)[0]
     return toks, probs
+
+
+def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the GPU: from pinned memory, asynchronously
+    (torch.tensor(..., device=cuda) copies from pageable memory, which synchronises the stream)."""
+    x = torch.tensor(data, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return x.to(device)
+    # a capture would record a read of this transient host buffer into the graph
+    assert not torch.cuda.is_current_stream_capturing(), "to_device inside a CUDA-graph capture"
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 class MTPDrafter:
@@ -96,9 +108,9 @@ class MTPDrafter:
         if not items:
             return
         dev = hidden.device
-        rows = torch.tensor([r for _, _, n, r0 in items for r in range(r0, r0 + n)], device=dev)
-        ids = torch.tensor([tok for seq, s, n, _ in items for tok in seq.token_ids[s + 1:s + n + 1]], device=dev)
-        positions = torch.tensor([p for _, s, n, _ in items for p in range(s, s + n)], device=dev)
+        rows = to_device([r for _, _, n, r0 in items for r in range(r0, r0 + n)], torch.int64, dev)
+        ids = to_device([tok for seq, s, n, _ in items for tok in seq.token_ids[s + 1:s + n + 1]], torch.int64, dev)
+        positions = to_device([p for _, s, n, _ in items for p in range(s, s + n)], torch.int64, dev)
         ctx = rows_context(self.runner, [(seq, s, n) for seq, s, n, _ in items])
         out = self._mtp(ids, hidden[rows], positions, ctx)
         end = 0
@@ -109,24 +121,28 @@ class MTPDrafter:
                 seq.spec_ready = True
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
-        """Sets seq.draft_token_ids (ks[i] tokens) and seq.draft_probs for each sequence."""
+        """Sets seq.draft_token_ids (ks[i] tokens) and seq.draft_probs for each sequence. The drafts stay on
+        the device until the last position (one host sync per step, not one per draft position)."""
         dev = self.runner.device
+        B = len(seqs)
         h = torch.stack([s.mtp_hidden for s in seqs])
-        toks, probs = draw(self.model.compute_logits(h), seqs)
-        drafts, dprobs = [[t] for t in toks], [[p] for p in probs]
+        tok, probs = draw(self.model.compute_logits(h), seqs)
+        drafts = torch.zeros(B, max(ks), dtype=torch.int64, device=dev)   # [sequence, draft position]
+        drafts[:, 0] = tok
+        dprobs = [[p] for p in probs]
         for j in range(1, max(ks)):  # draft j + 1: MTP row at the position of draft j - 1's successor
             live = [i for i, k in enumerate(ks) if k > j]
             items = [(seqs[i], seqs[i].num_cached + j - 1, 1) for i in live]
-            idx = torch.tensor(live, device=dev)
-            out = self._mtp(torch.tensor([drafts[i][-1] for i in live], device=dev), h[idx],
-                            torch.tensor([s for _, s, _ in items], device=dev), rows_context(self.runner, items))
+            idx = torch.arange(B, device=dev) if len(live) == B else to_device(live, torch.int64, dev)
+            out = self._mtp(drafts[idx, j - 1], h[idx], to_device([s for _, s, _ in items], torch.int64, dev),
+                            rows_context(self.runner, items))
             h = h.clone()
             h[idx] = out
-            toks, probs = draw(self.model.compute_logits(out), [seqs[i] for i in live])
-            for i, t, p in zip(live, toks, probs):
-                drafts[i].append(t)
+            tok, probs = draw(self.model.compute_logits(out), [seqs[i] for i in live])
+            drafts[idx, j] = tok
+            for i, p in zip(live, probs):
                 dprobs[i].append(p)
-        for s, d, p, k in zip(seqs, drafts, dprobs, ks):
+        for s, d, p, k in zip(seqs, drafts.tolist(), dprobs, ks):
             s.draft_token_ids = d[:k]
             s.draft_probs = None if s.params.greedy else torch.stack(p[:k])
 
@@ -135,7 +151,7 @@ def rows_context(runner, items: list[tuple[Sequence, int, int]]) -> Context:
     """Forward context for `n` rows of each sequence starting at position `start` (the drafter's
     passes: same blocks and slots as the target's rows at those positions)."""
     bs, dev = runner.block_size, runner.device
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=dev)
+    t = lambda x, dt: to_device(x, dt, dev)
     slots, cu = [], [0]
     for seq, start, n in items:
         slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
@@ -207,7 +223,7 @@ class Speculator:
                 done.append(seq)
         if not done:
             return VerifyOutput([], [], [], [], [])
-        logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        logits = self.runner.model.compute_logits(hidden[to_device(rows, torch.int64, hidden.device)])
         return verify([logits[a:a + m] for a, m in spans], [s.draft_token_ids for s in done],
                       [s.draft_probs for s in done], [s.params for s in done], [s.generator for s in done])
 
@@ -228,8 +244,9 @@ class Speculator:
                 acc.append(a)
         if slots:
             dev = self.runner.device
+            slots_t, acc_t = to_device(slots, torch.int64, dev), to_device(acc, torch.int64, dev)
             for m in self.runner.gdn_layers:
-                m.commit_verified(torch.tensor(slots, device=dev), torch.tensor(acc, device=dev))
+                m.commit_verified(slots_t, acc_t)
 
     def catch_up(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> None:
         """After the scheduler advanced num_cached: the drafter sees the step's kept rows."""
