@@ -2,9 +2,10 @@
 # One device call: GPU tests, then the sparse-kernel and engine benchmarks, each under a time guard.
 # Usage (on the H200, from the repo root, with .whl carried):
 #   bash benchmarks/h200_session.sh SECONDS [TEST_FILES...]
-#   ENGINE_ARGS="..." overrides the engine benchmark's arguments; STAGES="tests sparse host mtp engine" picks
-#   stages (mtp: MTP accepted length, benchmarks/bench_mtp.py with MTP_ARGS; agents: `sketchkv bench agents`,
-#   issue 8, the runs named in AGENTS_RUNS, see the stage below; qsa: issue 10, benchmarks/bench_qsa_tier.py).
+#   ENGINE_ARGS="..." overrides the engine benchmark's arguments; STAGES="tests sparse kernels host mtp engine"
+#   picks stages (kernels: benchmarks/bench_sketch_score.py + bench_prefill_attention.py; mtp: MTP accepted
+#   length, benchmarks/bench_mtp.py with MTP_ARGS; agents: `sketchkv bench agents`, issue 8, the runs named in
+#   AGENTS_RUNS, see the stage below; qsa: issue 10, benchmarks/bench_qsa_tier.py).
 # Everything lands in $OUT (logs + JSON), to be copied into benchmarks/results/ afterwards.
 set -u
 BUDGET=${1:-540}; shift || true
@@ -27,6 +28,11 @@ case " $STAGES " in *" tests "*)
 esac
 case " $STAGES " in *" sparse "*)
   timeout $(( $(left) / 3 )) python3 benchmarks/bench_sparse_ops.py --out "$OUT/sparse-ops.json" 2>&1 | tail -14 | tee "$OUT/sparse-ops.log";;
+esac
+case " $STAGES " in *" kernels "*)
+  # sketch-scoring tiles (issue 4's 70% goal) and prefill attention backends (flash vs cuDNN, issue 2's prefill)
+  timeout $(( $(left) / 3 )) python3 benchmarks/bench_sketch_score.py --out "$OUT/sketch-score.json" 2>&1 | tail -7 | tee "$OUT/sketch-score.log"
+  timeout $(( $(left) / 3 )) python3 benchmarks/bench_prefill_attention.py --out "$OUT/prefill-attention.json" 2>&1 | tail -14 | tee "$OUT/prefill-attention.log";;
 esac
 case " $STAGES " in *" host "*)
   timeout $(( $(left) / 2 )) python3 benchmarks/bench_host_gather.py --quick --out "$OUT/host-gather.json" 2>&1 | tail -20 | tee "$OUT/host-gather.log";;
@@ -71,6 +77,7 @@ case " $STAGES " in *" agents "*)
       # issue 11: MTP-7 verification steps (CUDA graphs since session 5) at 8 x 128K and 8 x 250K on the 27B shape
       # with a random MTP layer (drafts rejected: every step verifies 7 drafts); projected tok/s with the
       # reference model's accepted length at n = 7 (explain-style, run 11: 4.01); compare with `sparse`: ~5 min
+      # (run 18: the 8 x 250K point alone needs > 195 s after a 120 s engine build; give it >= 300 s)
       spec) A="--model random:qwen3.5-27b+mtp --configs sparse --agents 8 --contexts 128K 250K --fill random --num-speculative-tokens 7 --reference-accepted-length 4.01";;
       # the same with one selection per sequence in verification steps (its first row's; approximate): ~5 min
       spec-shared) A="--model random:qwen3.5-27b+mtp --configs sparse --agents 8 --contexts 128K 250K --fill random --num-speculative-tokens 7 --reference-accepted-length 4.01 --sparse-verify-selection shared";;
