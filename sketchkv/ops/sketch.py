@@ -139,9 +139,11 @@ if triton is not None:
         # One program per (sequence, BPP consecutive KV blocks) = TOK token rows, one KV head at a time:
         # its [TOK, R/2] bytes load as 16-byte vectors and serve all G query heads of that KV head
         # (CUDA-core FMAs). Nibbles become floats without int-to-float conversions (a quarter-rate
-        # instruction on Hopper, which bound the first version at ~45% of HBM bandwidth): OR-ing a nibble
-        # into the mantissa of 2^23 gives the float 2^23 + u exactly, so subtracting 2^23 + 8 yields
-        # u - 8 = v. The high nibble is masked in place (16 u) and its q pre-scaled by 1/16 (exact).
+        # instruction on Hopper; the version that converted ran at 45% of the HBM copy bandwidth, this one
+        # at 51%, H200 run 17): OR-ing a nibble into the mantissa of 2^23 gives the float 2^23 + u exactly,
+        # so subtracting 2^23 + 8 yields u - 8 = v. The high nibble is masked in place (16 u) and its q
+        # pre-scaled by 1/16 (exact). With G = 6 query heads (softmax) this is 2x slower than the tensor-core
+        # kernel (per-head dots and block reductions): `sketch_score(kernel="auto")` takes that one there.
         # MODE 0: sum over heads, 1: max, 2: softmax pass 1 (log2-sum-exp2 of this program's rows per
         # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the
         # per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)). qk_scale = sm_scale * log2(e).
