@@ -246,18 +246,27 @@ def test_gpu_decode_cuda_graph():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("Lq,P", [(8192, 24576), (8192, 0)])
-def test_gpu_prefill_real_sizes(Lq, P):
+def test_gpu_prefill_real_sizes(Lq, P, backend):
     Hq, Hkv, D = 24, 4, 256
     torch.manual_seed(0)
     q = torch.randn(Lq, Hq, D, device="cuda").bfloat16()
     k = torch.randn(Lq + P, Hkv, D, device="cuda").bfloat16()
     v = torch.randn(Lq + P, Hkv, D, device="cuda").bfloat16()
-    out = prefix_causal_attention(q, k, v, D ** -0.5)
+    out = prefix_causal_attention(q, k, v, D ** -0.5, backend)
     ref = prefix_causal_attention_ref(q, k, v, D ** -0.5)
     assert out.shape == ref.shape and out.is_contiguous() and not out.isnan().any()
     # bf16 flash (P rounded to bf16 for P@V) + bf16 partial outputs before the fp32 merge + bf16 output
     assert rel_err_rows(out, ref) < 1e-2
+
+
+def test_prefill_backend_knob():
+    q, k, v = torch.randn(40, 4, 32), torch.randn(100, 2, 32), torch.randn(100, 2, 32)
+    # the CPU has one flash kernel: "cudnn" runs it too
+    assert torch.equal(prefix_causal_attention(q, k, v, 0.2, "cudnn"), prefix_causal_attention(q, k, v, 0.2))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        prefix_causal_attention(q, k, v, 0.2, "xformers")
 
 
 @pytest.mark.gpu

@@ -84,6 +84,11 @@ class ModelRunner:
             self.model_cfg = model_cfg = shard_model(model, model_cfg, dist.get_rank(), dist.get_world_size())
         # MTP layers get caches only when speculative decoding is on.
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
+        if cfg.prefill_attention not in ("flash", "cudnn"):
+            raise RequestError(f"prefill_attention must be flash or cudnn, got {cfg.prefill_attention!r}")
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.prefill_backend = cfg.prefill_attention
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
         self.tier_layers = [m for m in self.attn_layers if isinstance(m, TieredKV)]
         self.qsa_layers = [m for m in self.attn_layers if isinstance(m, IndexedAttention)]

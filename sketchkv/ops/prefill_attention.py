@@ -5,10 +5,16 @@ like the KV cache: q [Lq, Hq, D], k / v [Lk, Hkv, D], GQA with query head h -> k
 
 Fast path: flash attention through SDPA's aten ops. With a prefix we never build an Lq x Lk mask:
 (queries vs prefix keys, no mask) and (queries vs new keys, causal; square so top-left == bottom-right)
-are two flash calls whose outputs are merged with their log-sum-exps.
+are two flash calls whose outputs are merged with their log-sum-exps. backend="cudnn" makes the same
+two calls through SDPA's cuDNN op (EngineConfig.prefill_attention; benchmarks/bench_prefill_attention.py
+compares them at the 27B shape); a shape cuDNN refuses falls back to flash with one warning.
 """
+import warnings
+
 import torch
 import torch.nn.functional as F
+
+BACKENDS = ("flash", "cudnn")
 
 
 def prefix_causal_attention_ref(q, k, v, scale, chunk=1024):
@@ -39,6 +45,29 @@ def _flash(q, k, v, causal, scale):
     return r[0], r[1][..., : q.shape[2]]
 
 
+def _cudnn(q, k, v, causal, scale):
+    """As _flash, through cuDNN's fused attention (CUDA only)."""
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return r[0], r[1].reshape(q.shape[0], q.shape[1], -1)[..., : q.shape[2]]
+
+
+_cudnn_refused: set = set()
+
+
+def _attend(q, k, v, causal, scale, backend):
+    """(out, lse) of one call through the chosen backend; cuDNN refusals fall back to flash (warned once
+    per kind of refusal)."""
+    if backend == "cudnn" and q.is_cuda:
+        try:
+            return _cudnn(q, k, v, causal, scale)
+        except RuntimeError as e:
+            msg = str(e).split("\n")[0][:200]
+            if msg not in _cudnn_refused:
+                _cudnn_refused.add(msg)
+                warnings.warn(f"cuDNN attention refused q {tuple(q.shape)}, k {tuple(k.shape)}: {msg}; using flash")
+    return _flash(q, k, v, causal, scale)
+
+
 def _masked_attention(q, k, v, scale):
     """Fallback for inputs flash can't take: SDPA with an explicit mask, queries in chunks so the
     mask and any materialised fp32 scores stay under ~1 GB."""
@@ -57,8 +86,11 @@ def _masked_attention(q, k, v, scale):
     return out
 
 
-def prefix_causal_attention(q, k, v, scale):
-    """q [Lq, Hq, D], k / v [Lk, Hkv, D] (Lk >= Lq) -> out [Lq, Hq, D] contiguous, q.dtype."""
+def prefix_causal_attention(q, k, v, scale, backend: str = "flash"):
+    """q [Lq, Hq, D], k / v [Lk, Hkv, D] (Lk >= Lq) -> out [Lq, Hq, D] contiguous, q.dtype. backend: "flash"
+    or "cudnn" (CUDA; the CPU always runs PyTorch's CPU flash kernel)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"prefill attention backend must be one of {BACKENDS}, got {backend!r}")
     Lq, Hq, D = q.shape
     Lk, Hkv, _ = k.shape
     assert Lk >= Lq and Hq % Hkv == 0 and k.shape == v.shape
@@ -71,11 +103,13 @@ def prefix_causal_attention(q, k, v, scale):
     kt = k.transpose(0, 1).unsqueeze(0)
     vt = v.transpose(0, 1).unsqueeze(0)
     P = Lk - Lq
-    if P == 0:
+    if P == 0 and (backend == "flash" or not q.is_cuda):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=Hq != Hkv)
         return o[0].transpose(0, 1).contiguous()
-    o1, l1 = _flash(qt, kt[:, :, :P], vt[:, :, :P], False, scale)  # all prefix keys visible to every query
-    o2, l2 = _flash(qt, kt[:, :, P:], vt[:, :, P:], True, scale)   # new keys: square causal
+    if P == 0:
+        return _attend(qt, kt, vt, True, scale, backend)[0][0].transpose(0, 1).contiguous()
+    o1, l1 = _attend(qt, kt[:, :, :P], vt[:, :, :P], False, scale, backend)  # every prefix key visible to every query
+    o2, l2 = _attend(qt, kt[:, :, P:], vt[:, :, P:], True, scale, backend)   # new keys: square causal
     lse = torch.logaddexp(l1, l2)
     o = o1.float() * (l1 - lse).exp_().unsqueeze(-1)
     o.addcmul_(o2.float(), (l2 - lse).exp_().unsqueeze(-1))
