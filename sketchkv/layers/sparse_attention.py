@@ -21,7 +21,6 @@ from sketchkv.ops.topk import topk_positions
 from sketchkv.parallel.comm import reduce_selection_scores
 
 
-
 class SparseAttention(Attention):
     def __init__(self, dense: Attention, cfg: SparseConfig, basis: torch.Tensor, mean: torch.Tensor,
                  dense_threshold: int):
