@@ -18,6 +18,7 @@ from sketchkv.kv.state_cache import StateCache
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.layers.tiered_attention import TieredAttention, TieredIndexedAttention, TieredKV
 from sketchkv.models.model_config import ModelConfig
+from sketchkv.ops import prefill_attention, sketch as sketch_ops
 from sketchkv.parallel.comm import agree_min
 
 logger = logging.getLogger("sketchkv")
@@ -62,7 +63,7 @@ class ModelRunner:
             raise RequestError(f"sparse_selector must be sketch or exact, got {sp.selector!r}")
         if sp.verify_selection not in ("per_row", "shared"):
             raise RequestError(f"sparse_verify_selection must be per_row or shared, got {sp.verify_selection!r}")
-        if sp.score_kernel not in ("auto", "fma", "dot"):
+        if sp.score_kernel not in sketch_ops.KERNELS:
             raise RequestError(f"sparse_score_kernel must be auto, fma or dot, got {sp.score_kernel!r}")
         if sp.tier_kernel not in ("torch", "triton"):
             raise RequestError(f"sparse_tier_kernel must be torch or triton, got {sp.tier_kernel!r}")
@@ -84,7 +85,7 @@ class ModelRunner:
             self.model_cfg = model_cfg = shard_model(model, model_cfg, dist.get_rank(), dist.get_world_size())
         # MTP layers get caches only when speculative decoding is on.
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
-        if cfg.prefill_attention not in ("flash", "cudnn"):
+        if cfg.prefill_attention not in prefill_attention.BACKENDS:
             raise RequestError(f"prefill_attention must be flash or cudnn, got {cfg.prefill_attention!r}")
         for m in model.modules():
             if isinstance(m, Attention):

@@ -51,20 +51,20 @@ def _cudnn(q, k, v, causal, scale):
     return r[0], r[1].reshape(q.shape[0], q.shape[1], -1)[..., : q.shape[2]]
 
 
-_cudnn_refused: set = set()
+_cudnn_refused: dict = {}  # (heads, kv heads, head dim, dtype, causal) -> cuDNN's message: flash from then on
 
 
 def _attend(q, k, v, causal, scale, backend):
-    """(out, lse) of one call through the chosen backend; cuDNN refusals fall back to flash (warned once
-    per kind of refusal)."""
-    if backend == "cudnn" and q.is_cuda:
+    """(out, lse) of one call through the chosen backend. A shape cuDNN refuses is remembered (warned once)
+    and goes to flash from then on, so later prefill chunks do not pay a failed plan build each."""
+    key = (q.shape[1], k.shape[1], q.shape[3], q.dtype, causal)
+    if backend == "cudnn" and q.is_cuda and key not in _cudnn_refused:
         try:
             return _cudnn(q, k, v, causal, scale)
         except RuntimeError as e:
-            msg = str(e).split("\n")[0][:200]
-            if msg not in _cudnn_refused:
-                _cudnn_refused.add(msg)
-                warnings.warn(f"cuDNN attention refused q {tuple(q.shape)}, k {tuple(k.shape)}: {msg}; using flash")
+            _cudnn_refused[key] = str(e).split("\n")[0][:200]
+            warnings.warn(f"cuDNN attention refused q {tuple(q.shape)}, k {tuple(k.shape)}: {_cudnn_refused[key]}; "
+                          "using flash for this shape")
     return _flash(q, k, v, causal, scale)
 
 

@@ -39,6 +39,7 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 COMBINES = ("sum", "max", "softmax")
+KERNELS = ("auto", "fma", "dot")   # sketch_score(kernel=...)
 
 
 def softmax_combine(s: torch.Tensor, num_kv_heads: int, shared: bool, sm_scale: float) -> torch.Tensor:
@@ -351,7 +352,7 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     bandwidth, vs 162), dot for softmax (557 vs 1,100 us: 24 per-head dots per token on CUDA cores)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
-    if kernel not in ("auto", "fma", "dot"):
+    if kernel not in KERNELS:
         raise ValueError(f"kernel must be 'auto', 'fma' or 'dot', got {kernel!r}")
     if kernel == "auto":
         kernel = "dot" if combine == "softmax" else "fma"
