@@ -54,7 +54,7 @@ def decode_point(llm: LLM, L: int, args, gen) -> dict:
     eng, r = llm.engine, llm.engine.runner
     bs, tier = r.block_size, r.tier
     filled = max(0, (L - max(args.tail, bs)) // bs * bs)
-    steps = 1 + args.warmup + args.decode_tokens
+    steps = 1 + args.warmup + args.decode_tokens + (1 + args.breakdown if args.breakdown else 0)
     ids = torch.randint(3, min(eng.model_config.vocab_size, 32000), (L,), generator=torch.Generator().manual_seed(L))
     seq = eng.add_request(ids.tolist(), SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
     sync()
@@ -82,6 +82,10 @@ def decode_point(llm: LLM, L: int, args, gen) -> dict:
                      "pcie_read": s.pcie_read_bytes - prev.pcie_read_bytes,
                      "pcie_write": s.pcie_write_bytes - prev.pcie_write_bytes})
         prev = s
+    bd = None
+    if args.breakdown and torch.cuda.is_available():  # kernel time per step by kind: what grows with context
+        from sketchkv.bench.breakdown import profile_kernels
+        bd = profile_kernels(eng, args.breakdown, top=15)
     while eng.has_unfinished:
         eng.step()
     _, counts = r.tier_layers[0].last_indices
@@ -91,7 +95,7 @@ def decode_point(llm: LLM, L: int, args, gen) -> dict:
             "step_ms_p50": med["ms"], "decode_tok_s": 1e3 / med["ms"],
             "pcie_read_bytes_per_step": med["pcie_read"], "pcie_write_bytes_per_step": med["pcie_write"],
             "hit_rate": hits / max(1, hits + misses), "selected_per_layer": int(counts.max()),
-            "steps": len(rows)}
+            "steps": len(rows), **({"breakdown": bd} if bd else {})}
 
 
 def prefill_point(llm: LLM, L: int) -> dict:
@@ -126,6 +130,8 @@ def main():
     p.add_argument("--sinks", type=int, default=64)
     p.add_argument("--recent", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
+                   help="GPU: profile STEPS more graph steps per point (kernel ms per step by kind, in the JSON)")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: tiny qwen4_exp, short contexts")
     p.add_argument("--out", default="benchmarks/results/qsa-tier.json")
     args = p.parse_args()
@@ -158,6 +164,10 @@ def main():
         points.append(decode_point(llm, L, args, gen))
         x = points[-1]
         print(f"context {x['context']}: {x['decode_tok_s']:.1f} tok/s, {x['step_ms_p50']:.2f} ms/step", flush=True)
+        if "breakdown" in x:
+            b = x["breakdown"]
+            print(f"  kernels {b['total_ms']:.2f} ms/step ({b['kernels_per_step']:.0f}): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in list(b["ms"].items())[:8]), flush=True)
     prefill = prefill_point(llm, prefill_L) if prefill_L else None
     beyond = [x["decode_tok_s"] for x in points if x["context"] >= qsa.budget]
     flat = max(beyond) / min(beyond) - 1 if beyond else None

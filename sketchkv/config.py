@@ -64,7 +64,7 @@ class EngineConfig:
         "torch.distributed: NCCL on cuda:0..N-1, gloo on CPU); also --tensor-parallel. Rank 0 runs in this "
         "process, ranks 1..N-1 are spawned (a script needs an `if __name__ == '__main__':` guard). Not with MoE, "
         "qwen4_exp, the host tier or speculative decoding yet")})
-    prefill_attention: str = field(default="flash", metadata={"help": "prefill attention kernel on a GPU: flash (SDPA's FlashAttention-2 op) | cudnn (SDPA's cuDNN op; a shape it refuses falls back to flash with a warning)"})
+    prefill_attention: str = field(default="cudnn", metadata={"help": "prefill attention kernel on a GPU: cudnn (SDPA's cuDNN op, 2x flash on an H200 for chunks after a cached prefix; a shape it refuses falls back to flash with a warning) | flash (SDPA's FlashAttention-2 op)"})
     num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: tokens drafted per step by the checkpoint's mtp.* layer, verified in one target step (0 = off)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

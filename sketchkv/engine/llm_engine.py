@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from sketchkv.config import EngineConfig
 from sketchkv.engine.detokenizer import IncrementalDetokenizer
@@ -162,11 +163,13 @@ class LLMEngine:
             return []
         spec = self.runner.spec
         if spec is not None:
-            spec.propose(batch)  # draft tokens for the running sequences given 1 + k rows
+            with record_function("spec.propose"):  # named ranges for torch.profiler (bench_mtp.py --profile)
+                spec.propose(batch)  # draft tokens for the running sequences given 1 + k rows
         starts = [seq.num_cached for seq, _ in batch]
         ends = [i for i, (seq, n) in enumerate(batch) if seq.num_cached + n - seq.num_drafts(n) == len(seq)]
         done = [batch[i][0] for i in ends]  # sequences that get new tokens this step
-        out = self.runner.run(batch)
+        with record_function("runner.run"):
+            out = self.runner.run(batch)
         if isinstance(out, SampleOutput):
             out = VerifyOutput.from_sample(out)
             self._after_run(batch)
@@ -176,11 +179,13 @@ class LLMEngine:
                 advance[i] += a
             for seq, toks in zip(done, out.tokens):
                 seq.token_ids += toks[:-1]
-            spec.commit(done, out)
-            self._after_run(batch, advance, starts)
+            with record_function("spec.commit"):
+                spec.commit(done, out)
+                self._after_run(batch, advance, starts)
             for seq, toks in zip(done, out.tokens):
                 seq.token_ids.append(toks[-1])  # pending, like a sampled token; the drafter reads it
-            spec.catch_up(batch, starts)
+            with record_function("spec.catch_up"):
+                spec.catch_up(batch, starts)
             for seq, toks in zip(done, out.tokens):  # emitted one by one below, through the stop checks
                 del seq.token_ids[len(seq) - len(toks):]
             self.stats.update({k: v for k, v in spec.metrics().items() if not isinstance(v, list)})

@@ -446,7 +446,8 @@ class ModelRunner:
         (decodes, and prefills that reached the end of their tokens)."""
         hidden, ctx = self._forward(batch, graphs=True)
         if self.spec is not None and sample_now:  # -> VerifyOutput (accepted drafts + one token)
-            return self.spec.verify(batch, hidden)
+            with torch.profiler.record_function("spec.verify"):
+                return self.spec.verify(batch, hidden)
         last = [i for i, (seq, n) in enumerate(batch) if seq.num_cached + n == len(seq)]
         if not ctx.is_decode:  # only the final row of each sequence that completed its tokens
             ends = list(itertools.accumulate(ctx.query_lens))

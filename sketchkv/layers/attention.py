@@ -57,7 +57,7 @@ class Attention(nn.Module):
             kb, vb = self.context_kv(block_table, cached, k, v)
         return prefix_causal_attention(q, kb.to(q.dtype), vb.to(q.dtype), self.scale, self.prefill_backend)
 
-    prefill_backend = "flash"  # EngineConfig.prefill_attention, set by the model runner
+    prefill_backend = "cudnn"  # EngineConfig.prefill_attention, set by the model runner
 
     def context_kv(self, block_table, cached: int, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of a prompt chunk's whole context (cached prefix + the chunk's k, v): [cached + n, Hkv, D]."""

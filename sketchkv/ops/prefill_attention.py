@@ -3,11 +3,13 @@
 Query i sits at absolute position Lk - Lq + i and sees keys 0 .. Lk - Lq + i. Layout is token-major
 like the KV cache: q [Lq, Hq, D], k / v [Lk, Hkv, D], GQA with query head h -> kv head h // (Hq // Hkv).
 
-Fast path: flash attention through SDPA's aten ops. With a prefix we never build an Lq x Lk mask:
-(queries vs prefix keys, no mask) and (queries vs new keys, causal; square so top-left == bottom-right)
-are two flash calls whose outputs are merged with their log-sum-exps. backend="cudnn" makes the same
-two calls through SDPA's cuDNN op (EngineConfig.prefill_attention; benchmarks/bench_prefill_attention.py
-compares them at the 27B shape); a shape cuDNN refuses falls back to flash with one warning.
+Fast path: SDPA's fused aten ops. With a prefix we never build an Lq x Lk mask: (queries vs prefix
+keys, no mask) and (queries vs new keys, causal; square so top-left == bottom-right) are two calls
+whose outputs are merged with their log-sum-exps. backend (EngineConfig.prefill_attention): "cudnn"
+(the default) or "flash" (FlashAttention-2). H200 run 19, 27B shape, 16K-token chunks: the same speed
+without a prefix (4.6 ms), cuDNN 2.0x flash after a 64K-229K prefix (147 vs 300 ms at 229K, 650 vs 319
+TFLOP/s; benchmarks/bench_prefill_attention.py). A shape cuDNN refuses falls back to flash with one
+warning.
 """
 import warnings
 
@@ -86,7 +88,7 @@ def _masked_attention(q, k, v, scale):
     return out
 
 
-def prefix_causal_attention(q, k, v, scale, backend: str = "flash"):
+def prefix_causal_attention(q, k, v, scale, backend: str = "cudnn"):
     """q [Lq, Hq, D], k / v [Lk, Hkv, D] (Lk >= Lq) -> out [Lq, Hq, D] contiguous, q.dtype. backend: "flash"
     or "cudnn" (CUDA; the CPU always runs PyTorch's CPU flash kernel)."""
     if backend not in BACKENDS:
