@@ -159,9 +159,10 @@ def clear(llm: LLM) -> None:
 
 def bench_sketchkv(args, bw: float) -> list[dict]:
     rows = []
-    max_ctx = max(args.contexts)
     max_b = max(args.batches)
-    blocks = max_b * math.ceil((max_ctx + 512) / 64) + 1
+    # room for the decode points (batch x context) and for the longest prefill (one sequence)
+    max_ctx = max(args.contexts + list(args.prefill_contexts or []))
+    blocks = max(max_b * math.ceil((max(args.contexts) + 512) / 64), math.ceil((max_ctx + 512) / 64)) + 1
     modes = args.modes or (["dense"] + (["dense-eager"] if args.eager_too else []) + (["sparse"] if args.sparse else []))
     for name in modes:
         mode, eager = name.split("-")[0], name == "dense-eager"

@@ -60,46 +60,53 @@ def build_prompts(llm: LLM, docs, style: str, count: int, context: int, seed: in
 PHASES = ("spec.propose", "runner.run", "spec.verify", "spec.commit", "spec.catch_up")
 
 
-def profile_summary(prof, path: str) -> dict:
-    """Where a generate call's time went: host time per engine phase (the ranges llm_engine.step names),
-    kernel launches, and the top operators by device time; tables written to `path`."""
+def profile_steps(llm: LLM, prompts, max_tokens: int, path: str) -> dict:
+    """Where a speculative step's time goes: a short generate of the same batch under torch.profiler (apart
+    from the timed run: profiling slows it). GPU time per engine phase (the ranges llm_engine.step names),
+    host time per phase, kernel launches; operator tables written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rng = random.Random(len(prompts))
+    prompts = [rng.sample(p, len(p)) for p in prompts]   # not cached
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    steps0 = llm.engine.stats.get("steps", 0)
+    with profile(activities=acts) as prof:
+        llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    phases: dict = {}
+    for ev in prof.events():
+        if ev.name in PHASES:
+            kind = "gpu_ms" if ev.device_type == torch.autograd.DeviceType.CUDA else "host_ms"
+            d = phases.setdefault(ev.name, {"gpu_ms": 0.0, "host_ms": 0.0, "calls": 0})
+            d[kind] += ev.time_range.elapsed_us() / 1e3
+            d["calls"] += kind == "host_ms"
     ev = prof.key_averages()
-    phases = {e.key: {"cpu_ms": e.cpu_time_total / 1e3, "calls": e.count} for e in ev if e.key in PHASES}
     launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
                                                        "cudaLaunchKernelExC", "cuLaunchKernelEx"))
-    syncs = sum(e.count for e in ev if "Synchronize" in e.key or e.key == "cudaMemcpyAsync")
     with open(path, "w") as f:
         for key in ("self_cuda_time_total", "cpu_time_total"):
             try:
                 f.write(f"== sorted by {key}\n" + ev.table(sort_by=key, row_limit=40) + "\n")
             except Exception as e:  # sort keys differ across torch versions
                 f.write(f"== {key}: {e}\n")
-    return {"phases": phases, "launch_calls": launches, "memcpy_or_sync_calls": syncs, "table": path}
+    return {"phases": phases, "launch_calls": launches, "max_tokens": max_tokens, "table": path}
 
 
-def run(llm: LLM, prompts, max_tokens: int, profile: str | None = None) -> dict:
+def run(llm: LLM, prompts, max_tokens: int) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
-    prof = None
-    if profile:
-        from torch.profiler import ProfilerActivity
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        prof = torch.profiler.profile(activities=acts)
-        prof.__enter__()
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    extra = {}
-    if prof is not None:
-        prof.__exit__(None, None, None)
-        extra["profile"] = profile_summary(prof, profile)
     n_tok = sum(len(o.token_ids) for o in outs)
     spec = llm.engine.runner.spec
     return {"tokens": [o.token_ids for o in outs], "wall_s": wall, "generated": n_tok, "tok_per_s": n_tok / wall,
-            **(spec.metrics() if spec else {}), **extra}
+            **(spec.metrics() if spec else {})}
 
 
 def make_tiny(path: str) -> str:
@@ -122,8 +129,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--option", nargs="*", default=[], help="engine options KEY=VALUE (e.g. sparse=true enforce_eager=true)")
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="profile each timed run (torch.profiler): host time per engine phase and launches in the "
-                         "JSON, operator tables in DIR/profile-STYLE-nN.txt (profiling slows the run)")
+                    help="after each timed run, profile a short run of the same batch (torch.profiler): GPU and host time "
+                         "per engine phase and launches in the JSON, operator tables in DIR/profile-STYLE-nN.txt")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from sketchkv.config import default_model
@@ -157,11 +164,7 @@ def main():
             run(llm, [rng.sample(p, len(p)) for p in prompts], 2 * (n + 1) + 2)
             if llm.engine.runner.spec is not None:
                 llm.engine.runner.spec.reset_metrics()
-            prof = None
-            if a.profile:
-                os.makedirs(a.profile, exist_ok=True)
-                prof = os.path.join(a.profile, f"profile-{style}-n{n}.txt")
-            r = run(llm, prompts, a.max_tokens, prof)
+            r = run(llm, prompts, a.max_tokens)
             toks = r.pop("tokens")
             if n == 0:
                 base = toks
@@ -170,14 +173,17 @@ def main():
             r["agree_prefix_frac"] = sum(next((i for i, (x, y) in enumerate(zip(t, b)) if x != y), len(t)) / max(len(t), 1)
                                          for t, b in zip(toks, base)) / max(len(toks), 1)
             r["spec_bytes_per_agent"] = mem
+            if a.profile:
+                os.makedirs(a.profile, exist_ok=True)
+                r["profile"] = profile_steps(llm, prompts, 4 * (n + 1), os.path.join(a.profile, f"profile-{style}-n{n}.txt"))
             rows[n] = r
             print(f"{style:8s} n={n}: {r['tok_per_s']:8.1f} tok/s  accepted length "
                   f"{r.get('spec_mean_accepted_length', 1.0):.2f}  identical={r['identical_to_baseline']}", flush=True)
             if "profile" in r:
                 pr = r["profile"]
-                print("    host ms per phase: " + "  ".join(f"{k} {v['cpu_ms']:.0f} ({v['calls']}x)" for k, v in
-                                                         pr["phases"].items())
-                      + f"  launches {pr['launch_calls']}  memcpy/sync {pr['memcpy_or_sync_calls']}", flush=True)
+                print(f"    profile, {pr['max_tokens']} tokens: GPU / host ms per phase: " + "  ".join(
+                    f"{k} {v['gpu_ms']:.1f}/{v['host_ms']:.1f} ({v['calls']}x)" for k, v in pr["phases"].items())
+                      + f"  launches {pr['launch_calls']}", flush=True)
             llm.shutdown()
             del llm
             gc.collect()   # the engine's reference cycles (CUDA graphs, caches) hold its GPU memory until then

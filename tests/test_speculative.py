@@ -89,6 +89,32 @@ def test_verification_graph_steps_give_the_same_tokens(mtp_ckpt, eager_graphs, d
     assert replays[(False, 4)] > 0, replays   # 3 sequences -> the bucket of 4 (one padded sequence)
 
 
+def _drafts_and_tokens(llm, prompts, sp):
+    """Generated tokens and every step's drafts (per sequence, in batch order)."""
+    drafter, steps = llm.engine.runner.spec.drafter, []
+    propose = drafter.propose
+
+    def recording(seqs, ks):
+        propose(seqs, ks)
+        steps.append([list(s.draft_token_ids) for s in seqs])
+    drafter.propose = recording
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)], steps
+
+
+def test_drafter_graph_drafts_like_eager(mtp_ckpt, eager_graphs):
+    """Greedy steps where every sequence drafts n tokens replay one drafter graph per step (emulated
+    eagerly on CPU: static buffers, positions and slots computed on the device, a padded row), and
+    draft exactly what eager drafting drafts; steps with fewer drafts (near max_tokens) stay eager."""
+    prompts = _prompts((9, 60, 31), 6)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = _drafts_and_tokens(_llm(mtp_ckpt, max_num_seqs=4, num_speculative_tokens=3), prompts, sp)
+    llm = _llm(mtp_ckpt, max_num_seqs=4, num_speculative_tokens=3)
+    drafter = eager_graphs(llm.engine.runner).spec.drafter
+    assert sorted(drafter.graphs) == [1, 2, 4]
+    assert _drafts_and_tokens(llm, prompts, sp) == want
+    assert type(drafter.graphs[4]).count > 0   # 3 sequences -> the bucket of 4
+
+
 def _run_with_oracle(llm, prompts, sp, reference, seed=0):
     eng = llm.engine
     eng.runner.spec.drafter = OracleDrafter(reference, eng.model_config.vocab_size, seed)

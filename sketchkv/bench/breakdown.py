@@ -148,7 +148,9 @@ def profile_kernels(engine, steps: int, top: int = 30) -> dict:
         torch.cuda.synchronize()
     per = {}
     for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
+        # record_function ranges (llm_engine.step's phases) show up on the GPU timeline too: not kernels
+        if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(ev, "is_user_annotation", False) \
+                or ev.name.startswith(("runner.", "spec.")):
             continue
         t = ev.time_range.elapsed_us()
         c, u = per.get(ev.name, (0, 0.0))

@@ -5,6 +5,7 @@ step (T tokens in total) and the attention and Gated DeltaNet layers find here w
 sequence's tokens, KV blocks and recurrent-state slot are. Every sequence contributes
 `query_len >= 1` new tokens (prefill chunk, one decode token, or several draft tokens to verify).
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -71,3 +72,15 @@ def set_context(ctx: Context | None) -> None:
 def get_context() -> Context:
     assert _CONTEXT is not None, "no forward context: the model runner sets it before each forward"
     return _CONTEXT
+
+
+@contextmanager
+def forward_context(ctx: Context):
+    """`ctx` for the block, then the context before it again (the drafter's passes run inside steps
+    that have their own: a CUDA-graph capture, the runner's forward)."""
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield
+    finally:
+        _CONTEXT = prev

@@ -525,11 +525,19 @@ class ModelRunner:
             self.graphs[(sparse, bs, nb)], pool = self._capture(ctx, step, pool)
         if self.spec is not None and not self.state_layers:
             try:
-                self._capture_verify_graphs(families, sizes, pool)
+                pool = self._capture_verify_graphs(families, sizes, pool)
             except Exception as e:  # out of memory for the rows, a kernel that cannot compile: verification stays eager
                 self.verify_graphs.clear()
                 _sync(dev)
                 logger.warning("CUDA graphs for speculative verification failed, verifying eagerly: %s",
+                               str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if self.spec is not None:
+            try:
+                self.spec.drafter.capture_graphs(sizes, pool)
+            except Exception as e:
+                self.spec.drafter.graphs.clear()
+                _sync(dev)
+                logger.warning("CUDA graphs for MTP drafting failed, drafting eagerly: %s",
                                str(e).splitlines()[0] if str(e) else type(e).__name__)
         _sync(dev)
 
@@ -584,11 +592,11 @@ class ModelRunner:
     # keep the state after each (`forward_verify`, static row lists), the host tier admits only each
     # sequence's first row's misses. Other verification steps (fewer drafts near max_tokens, prompt
     # chunks beside them) run eagerly.
-    def _capture_verify_graphs(self, families, sizes, pool) -> None:
+    def _capture_verify_graphs(self, families, sizes, pool):
         Q, dev = self.num_spec + 1, self.device
         sizes = [b for b in sizes if b * Q <= max(VERIFY_GRAPH_MAX_ROWS, Q)]
         if not sizes:
-            return
+            return pool
         R = max(sizes) * Q
         self.v_ids = torch.zeros(R, dtype=torch.int64, device=dev)
         self.v_pos = torch.zeros(R, dtype=torch.int64, device=dev)
@@ -617,6 +625,7 @@ class ModelRunner:
                 ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
             step = lambda r=r: self.v_out[:r].copy_(self.model(self.v_ids[:r], self.v_pos[:r]))
             self.verify_graphs[(sparse, bs)], pool = self._capture(ctx, step, pool)
+        return pool
 
     def _verify_bucket(self, ctx: Context) -> int | None:
         Q = self.num_spec + 1

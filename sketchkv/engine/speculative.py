@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from sketchkv.engine.context import Context, VerifyRows, set_context
+from sketchkv.engine.context import Context, VerifyRows, forward_context
 from sketchkv.engine.sequence import Sequence, Status
 from sketchkv.errors import CheckpointError
 from sketchkv.layers.attention import Attention
@@ -93,13 +93,69 @@ class MTPDrafter:
         if getattr(self.model, "mtp", None) is None:
             raise CheckpointError("num_speculative_tokens > 0 needs a checkpoint with an MTP layer (mtp.* tensors, "
                                   "mtp_num_hidden_layers in config.json)")
+        self.graphs = {}   # batch bucket -> CUDA graph drafting n greedy tokens for that many sequences
+
+    # ---- CUDA graphs: all n drafts of greedy sequences in one replay ------------------------------------
+    # Eager, a step's drafting is n LM-head projections and n - 1 MTP passes, each a few dozen small
+    # kernels: on a small model it costs more than the graphed verification (H200 run 18: speculation 6-8x
+    # slower than plain decoding on the reference model). Captured per batch bucket over static buffers:
+    # the MTP rows' positions, slots and lengths are computed on the device from the first position and
+    # the block tables, so one replay drafts all n positions; padded rows write the scratch block.
+    def capture_graphs(self, sizes: list[int], pool):
+        r, n = self.runner, self.runner.num_spec
+        B, dev = max(sizes), r.device
+        self.g_hidden = torch.zeros(B, r.model_cfg.hidden_size, dtype=r.dtype, device=dev)
+        self.g_pos = torch.zeros(B, dtype=torch.int64, device=dev)       # position of the first MTP pass's row
+        self.g_tables = torch.zeros(B, r.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.g_drafts = torch.zeros(B, n, dtype=torch.int64, device=dev)
+        self.g_cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        self.g_slots = torch.full((B,), r.scratch_slot, dtype=torch.int64, device=dev)
+        for bs in reversed(sizes):
+            self.graphs[bs], pool = r._capture(self._graph_context(bs, self.g_pos[:bs]), lambda bs=bs: self._draft_all(bs), pool)
+        return pool
+
+    def _graph_context(self, bs: int, pos: torch.Tensor) -> Context:
+        r = self.runner
+        tables = self.g_tables[:bs]
+        blk = tables.gather(1, torch.div(pos, r.block_size, rounding_mode="floor")[:, None].to(torch.int64))[:, 0]
+        return Context(cu_seqlens_q=self.g_cu[:bs + 1], seq_lens=(pos + 1).to(torch.int32),
+                       slot_mapping=blk.to(torch.int64) * r.block_size + pos % r.block_size, block_tables=tables,
+                       state_slots=self.g_slots[:bs], query_lens=[1] * bs, context_lens=[1] * bs, is_decode=True,
+                       max_seq_len=r.max_model_len, graph=True)
+
+    def _draft_all(self, bs: int) -> None:
+        """The captured step: greedy drafts 1..n of `bs` sequences from g_hidden, as `propose` drafts them."""
+        h = self.g_hidden[:bs]
+        tok = torch.argmax(self.model.compute_logits(h).float(), -1)
+        self.g_drafts[:bs, 0] = tok
+        for j in range(1, self.g_drafts.shape[1]):
+            pos = self.g_pos[:bs] + (j - 1)
+            h = self._mtp(tok, h, pos, self._graph_context(bs, pos))
+            tok = torch.argmax(self.model.compute_logits(h).float(), -1)
+            self.g_drafts[:bs, j] = tok
+
+    def _graph_bucket(self, seqs: list[Sequence], ks: list[int]) -> int | None:
+        if not self.graphs or any(k != self.g_drafts.shape[1] for k in ks) or not all(s.params.greedy for s in seqs):
+            return None
+        return min((b for b in self.graphs if b >= len(seqs)), default=None)
+
+    def _replay(self, seqs: list[Sequence], bucket: int) -> None:
+        B, dev = len(seqs), self.runner.device
+        self.g_pos[:bucket].zero_()
+        self.g_tables[:bucket].zero_()
+        self.g_hidden[B:bucket].zero_()
+        self.g_hidden[:B] = torch.stack([s.mtp_hidden for s in seqs])
+        self.g_pos[:B] = to_device([s.num_cached for s in seqs], torch.int64, dev)
+        width = max(len(s.block_table) for s in seqs)
+        self.g_tables[:B, :width] = to_device([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                              torch.int32, dev)
+        self.graphs[bucket].replay()
+        for s, d in zip(seqs, self.g_drafts[:B].tolist()):   # the step's one host sync
+            s.draft_token_ids, s.draft_probs = d, None
 
     def _mtp(self, ids, hidden, positions, ctx):
-        set_context(ctx)
-        try:
+        with forward_context(ctx):
             return self.model.mtp(self.model.model.embed_tokens(ids), hidden, positions)
-        finally:
-            set_context(None)
 
     def catch_up(self, items: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor) -> None:
         """items: (sequence, first position, number of rows, first row in `hidden`), the rows the
@@ -112,7 +168,7 @@ class MTPDrafter:
         rows = to_device([r for _, _, n, r0 in items for r in range(r0, r0 + n)], torch.int64, dev)
         ids = to_device([tok for seq, s, n, _ in items for tok in seq.token_ids[s + 1:s + n + 1]], torch.int64, dev)
         positions = to_device([p for _, s, n, _ in items for p in range(s, s + n)], torch.int64, dev)
-        ctx = rows_context(self.runner, [(seq, s, n) for seq, s, n, _ in items])
+        ctx = rows_context(self.runner, [(seq, s, n) for seq, s, n, _ in items], self.runner.num_spec + 1)
         out = self._mtp(ids, hidden[rows], positions, ctx)
         end = 0
         for seq, s, n, _ in items:
@@ -124,6 +180,9 @@ class MTPDrafter:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
         """Sets seq.draft_token_ids (ks[i] tokens) and seq.draft_probs for each sequence. The drafts stay on
         the device until the last position (one host sync per step, not one per draft position)."""
+        bucket = self._graph_bucket(seqs, ks)
+        if bucket is not None:
+            return self._replay(seqs, bucket)
         dev = self.runner.device
         B = len(seqs)
         h = torch.stack([s.mtp_hidden for s in seqs])
@@ -148,9 +207,12 @@ class MTPDrafter:
             s.draft_probs = None if s.params.greedy else torch.stack(p[:k])
 
 
-def rows_context(runner, items: list[tuple[Sequence, int, int]]) -> Context:
+def rows_context(runner, items: list[tuple[Sequence, int, int]], decode_rows_max: int = 1) -> Context:
     """Forward context for `n` rows of each sequence starting at position `start` (the drafter's
-    passes: same blocks and slots as the target's rows at those positions)."""
+    passes: same blocks and slots as the target's rows at those positions). A sequence with a cached
+    prefix and at most `decode_rows_max` rows (a catch-up after verification) has each row attended as
+    a decode row of its own length, like verification rows: a prompt-style pass would gather its whole
+    cached K/V for a few queries (1 GB per 250K-token sequence of the 27B shape)."""
     bs, dev = runner.block_size, runner.device
     t = lambda x, dt: to_device(x, dt, dev)
     slots, cu = [], [0]
@@ -166,10 +228,14 @@ def rows_context(runner, items: list[tuple[Sequence, int, int]]) -> Context:
                   state_slots=t([seq.state_slot for seq, _, _ in items], torch.int64), query_lens=qlens,
                   context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
                   max_seq_len=max(c + n for c, n in zip(cached, qlens)))
+    # rows after the first count as drafts for ctx.decodes(): every row of the sequence is a decode row
+    ctx.num_drafts = [n - 1 if c > 0 and n <= decode_rows_max else 0 for c, n in zip(cached, qlens)]
     dec = [b for b in range(len(items)) if ctx.decodes(b)]
     if dec and not ctx.is_decode:
-        ctx.decode_rows, ctx.decode_seqs = t([cu[b] for b in dec], torch.int64), t(dec, torch.int64)
-        ctx.decode_max_len = max(cached[b] + 1 for b in dec)
+        ctx.decode_rows = t([cu[b] + i for b in dec for i in range(qlens[b])], torch.int64)
+        ctx.decode_seqs = t([b for b in dec for _ in range(qlens[b])], torch.int64)
+        ctx.decode_lens = t([cached[b] + i + 1 for b in dec for i in range(qlens[b])], torch.int32)
+        ctx.decode_max_len = max(cached[b] + qlens[b] for b in dec)
     return ctx
 
 

@@ -37,7 +37,8 @@ import torch
 from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
 from sketchkv.ops.qsa import (SCORE_BYTES, block_scores, masked_attention, pool_raw_keys, positions_to_mask,
-                               select_positions)
+                               select_blocks, select_positions)
+from sketchkv.ops.qsa_score import qsa_block_scores, use_kernel
 from sketchkv.ops.sparse_attention import sparse_attention
 
 PREFILL_QUERY_CHUNK = 512  # queries selected (and attended) together in sparse prefill, at most
@@ -119,9 +120,15 @@ class IndexedAttention(Attention):
     def select(self, q, block_tables, seq_lens, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The selector interface (as `SparseAttention.select`): q = index queries of the decode rows
         [B, Hi, Di] -> positions [B, 1, N] (ascending, SENTINEL-padded; shared by all KV heads) and
-        counts [B]. Shapes depend on max_len only (CUDA-graph friendly)."""
+        counts [B]. Shapes depend on max_len only (CUDA-graph friendly). GPU: one kernel scores the blocks
+        straight from `index_keys` and the deterministic top-k picks (same picks up to exact ties); CPU:
+        the PyTorch reference, bitwise transformers' indexer (tests/test_qwen4_exp.py)."""
         c = self.ratio
         G = max_len // c
+        if use_kernel(q):
+            scores = qsa_block_scores(q, self.index_keys, block_tables, seq_lens, G, c, self.block_size)
+            idx, counts = select_blocks(scores, seq_lens, self.block_topk, c)
+            return idx[:, None], counts
         first = c * torch.arange(G, device=q.device)
         rows = self.key_rows(block_tables, first[None].expand(block_tables.shape[0], -1))
         scores = block_scores(q, self.index_keys[rows])

@@ -8,13 +8,19 @@ exactly over the top budget // c blocks plus the tail. A query whose complete bl
 most budget // c therefore attends densely.
 
 Selections are token positions in the sparse-attention layout (ops/sparse_attention.py): ascending,
-padded with SENTINEL, with a count per row. PyTorch only: scoring is a batched matmul over slices of
-blocks and top-k a library call (the GPU milestone fuses scoring + top-k if the profile asks for it).
+padded with SENTINEL, with a count per row. Two implementations of one selection:
+  - `block_scores` + `select_positions`: PyTorch, a batched matmul over slices of blocks and a masked
+    torch.topk; CPU decode and every prefill (the reference checked against transformers).
+  - `qsa_block_scores` (ops/qsa_score.py, one Triton kernel reading the block keys straight from the paged
+    index) + `select_blocks` (the deterministic `topk_positions`): GPU decode, whose cost stays close to
+    the key bytes as the context grows. Same picks up to exactly tied scores.
 """
 import math
 
 import torch
 import torch.nn.functional as F
+
+from sketchkv.ops.topk import topk_positions
 
 SENTINEL = torch.iinfo(torch.int32).max
 
@@ -69,11 +75,34 @@ def select_positions(scores: torch.Tensor, visible: torch.Tensor, block_topk: in
         tok = (top[:, :, None] * c + ar_c).flatten(1)                          # [N, k*c]
         valid = (top < nvis[:, None]).repeat_interleave(c, dim=1)
         parts.append(torch.where(valid, tok, SENTINEL))
-    tail = nvis[:, None] * c + ar_c[None, : c - 1]
-    parts.append(torch.where(tail < visible[:, None], tail, SENTINEL))
+    return _with_tail(parts, visible, c)
+
+
+def _with_tail(parts: list, visible: torch.Tensor, c: int):
+    """parts: the picked blocks' tokens ([N, k*c], SENTINEL where no pick) + the incomplete tail -> positions
+    ascending, SENTINEL-padded, and counts (int32)."""
+    ar_c = torch.arange(c, device=visible.device)
+    tail = visible[:, None] // c * c + ar_c[None, : c - 1]
+    parts = parts + [torch.where(tail < visible[:, None], tail, SENTINEL)]
     idx = torch.sort(torch.cat(parts, dim=1), dim=1).values
     counts = (idx < SENTINEL).sum(dim=1).to(torch.int32)
     return idx.to(torch.int32), counts
+
+
+def select_blocks(scores: torch.Tensor, visible: torch.Tensor, block_topk: int, c: int):
+    """`select_positions` for scores that are already -inf at every block a query cannot see (g >= visible // c:
+    qsa_block_scores writes them so) -> the same (positions, counts) wherever the scores have no exact tie
+    at the k-th value. The top-k is `topk_positions` (ascending block ids, -inf excluded, ties to the lower
+    block) instead of a masked copy + torch.topk. Static shapes, no host sync: CUDA-graph capturable."""
+    k = min(block_topk, scores.shape[1])
+    parts = []
+    if k > 0:
+        # ascending block ids, then SENTINEL padding: the sort in _with_tail (over [N, k*c + c - 1]) moves
+        # the padding behind the tail
+        top = topk_positions(scores, k, SENTINEL).long()[:, :, None]          # [N, k, 1]
+        ar_c = torch.arange(c, device=scores.device)
+        parts.append(torch.where(top < SENTINEL, top * c + ar_c, SENTINEL).flatten(1))
+    return _with_tail(parts, visible.long(), c)
 
 
 def positions_to_mask(idx: torch.Tensor, length: int) -> torch.Tensor:
