@@ -24,10 +24,10 @@ attention layer per block), so sharing, preemption and rollback need no extra bo
 Steady-state verification steps (every sequence: its token + exactly n drafts; up to
 VERIFY_GRAPH_MAX_ROWS rows) replay a CUDA graph of bucket x (1 + n) rows (ModelRunner._replay_verify;
 emulated on CPU in tests, GPU-tested on an H200); other verification steps run eagerly; pure decode
-steps (no drafts) replay the decode graphs. The drafter's MTP passes are eager; its drafts stay on the
-device until the step's last position (one host sync per step; since session 6, not yet measured). On
-the small reference model the eager drafter made speculation 6-8x slower than plain decoding (H200 run
-18, one host sync per draft position then); capturing the drafter in a CUDA graph is next.
+steps (no drafts) replay the decode graphs. Greedy drafting of n tokens for every sequence replays one
+drafter graph per step (MTPDrafter.capture_graphs; one host sync for the drafts); sampled drafting and
+steps with fewer drafts run eagerly. The catch-up pass is eager (one MTP pass over the accepted rows,
+attended as decode rows).
 """
 import math
 

@@ -76,7 +76,7 @@ def qsa_block_scores_triton(q, index_keys, block_tables, visible, G: int, c: int
     """qsa_block_scores_ref in one kernel, same meaning up to fp32 accumulation order."""
     N, H, D = q.shape
     q = q.contiguous()
-    assert index_keys.stride(1) == 1
+    assert index_keys.stride(1) == 1 and block_tables.stride(1) == 1
     out = torch.empty(N, G, dtype=torch.float32, device=q.device)
     if N == 0 or G == 0:
         return out
