@@ -71,10 +71,16 @@ def profile_steps(llm: LLM, prompts, max_tokens: int, path: str) -> dict:
     prompts = [rng.sample(p, len(p)) for p in prompts]   # not cached
     llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     steps0 = llm.engine.stats.get("steps", 0)
+    import cProfile
+    import io
+    import pstats
+    host = cProfile.Profile()   # Python-level host time: what keeps the GPU waiting between launches
     with profile(activities=acts) as prof:
+        host.enable()
         llm.generate(prompt_token_ids=prompts, sampling_params=sp)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        host.disable()
     phases: dict = {}
     for ev in prof.events():
         if ev.name in PHASES:
@@ -91,6 +97,10 @@ def profile_steps(llm: LLM, prompts, max_tokens: int, path: str) -> dict:
                 f.write(f"== sorted by {key}\n" + ev.table(sort_by=key, row_limit=40) + "\n")
             except Exception as e:  # sort keys differ across torch versions
                 f.write(f"== {key}: {e}\n")
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(host, stream=buf).sort_stats(key).print_stats(35)
+            f.write(f"== Python host time (cProfile), sorted by {key}\n" + buf.getvalue() + "\n")
     return {"phases": phases, "launch_calls": launches, "max_tokens": max_tokens, "table": path}
 
 
@@ -175,7 +185,7 @@ def main():
             r["spec_bytes_per_agent"] = mem
             if a.profile:
                 os.makedirs(a.profile, exist_ok=True)
-                r["profile"] = profile_steps(llm, prompts, 4 * (n + 1), os.path.join(a.profile, f"profile-{style}-n{n}.txt"))
+                r["profile"] = profile_steps(llm, prompts, 6 * (n + 1), os.path.join(a.profile, f"profile-{style}-n{n}.txt"))
             rows[n] = r
             print(f"{style:8s} n={n}: {r['tok_per_s']:8.1f} tok/s  accepted length "
                   f"{r.get('spec_mean_accepted_length', 1.0):.2f}  identical={r['identical_to_baseline']}", flush=True)

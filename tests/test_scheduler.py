@@ -59,3 +59,28 @@ def test_decode_keeps_its_share_while_a_prompt_prefills(monkeypatch, share):
     else:  # decode-only seconds / all seconds of the prefill's span, within one step
         frac = n_d / (n_d + 3 * n_p)
         assert abs(frac - share) < 3 / (n_d + 3 * n_p) + 1e-9, (kinds, frac)
+
+
+def test_block_table_tensor_follows_appends_pops_and_resets():
+    """Sequence.block_table_tensor converts only new entries; shrink (rejected drafts' blocks), regrowth
+    with other blocks, a released table and inference mode on either side keep it equal to the list."""
+    import torch
+
+    from sketchkv.engine.sequence import Sequence, block_tables
+    from sketchkv.kv.block_manager import BlockManager
+    from sketchkv.sampling_params import SamplingParams
+    bm = BlockManager(num_blocks=400, block_size=4)
+    seq = Sequence(list(range(10)), SamplingParams())
+    for n, mode in [(10, False), (200, True), (133, False), (300, True), (41, True), (600, False)]:
+        if n < len(seq.block_table) * 4:
+            bm.shrink(seq, n)
+        else:
+            bm.grow(seq, n)
+        with torch.inference_mode(mode):
+            assert seq.block_table_tensor().tolist() == seq.block_table
+    bm.release(seq)
+    bm.grow(seq, 9)
+    assert seq.block_table_tensor().tolist() == seq.block_table and len(seq.block_table) == 3
+    other = Sequence([1], SamplingParams())
+    bm.grow(other, 1)
+    assert block_tables([seq, other]).tolist() == [seq.block_table, other.block_table + [-1, -1]]

@@ -8,7 +8,7 @@ import torch
 
 from sketchkv.config import EngineConfig
 from sketchkv.engine.context import Context, VerifyRows, set_context
-from sketchkv.engine.sequence import Sequence
+from sketchkv.engine.sequence import Sequence, block_tables
 from sketchkv.errors import CapacityError, RequestError
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.gated_deltanet import GatedDeltaNet
@@ -375,15 +375,14 @@ class ModelRunner:
                 slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
         qlens = [n for _, n in batch]
         cached = [seq.num_cached for seq, _ in batch]
-        width = max(len(seq.block_table) for seq, _ in batch)
-        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _ in batch]
+        tables = block_tables([seq for seq, _ in batch])
         cu = [0]
         for n in qlens:
             cu.append(cu[-1] + n)
         t = lambda x, dt: torch.tensor(x, dtype=dt, device=self.device)
         ctx = Context(
             cu_seqlens_q=t(cu, torch.int32), seq_lens=t([c + n for c, n in zip(cached, qlens)], torch.int32),
-            slot_mapping=t(slots, torch.int64), block_tables=t(tables, torch.int32),
+            slot_mapping=t(slots, torch.int64), block_tables=tables.to(self.device),
             state_slots=t([seq.state_slot for seq, _ in batch], torch.int64),
             query_lens=qlens, context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
             max_seq_len=max(c + n for c, n in zip(cached, qlens)))

@@ -34,7 +34,7 @@ import math
 import torch
 
 from sketchkv.engine.context import Context, VerifyRows, forward_context
-from sketchkv.engine.sequence import Sequence, Status
+from sketchkv.engine.sequence import Sequence, Status, block_tables
 from sketchkv.errors import CheckpointError
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.rejection_sampler import VerifyOutput, verify
@@ -146,9 +146,8 @@ class MTPDrafter:
         self.g_hidden[B:bucket].zero_()
         self.g_hidden[:B] = torch.stack([s.mtp_hidden for s in seqs])
         self.g_pos[:B] = to_device([s.num_cached for s in seqs], torch.int64, dev)
-        width = max(len(s.block_table) for s in seqs)
-        self.g_tables[:B, :width] = to_device([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                                              torch.int32, dev)
+        tables = block_tables(seqs, pad=0)
+        self.g_tables[:B, :tables.shape[1]] = tables.to(dev)
         self.graphs[bucket].replay()
         for s, d in zip(seqs, self.g_drafts[:B].tolist()):   # the step's one host sync
             s.draft_token_ids, s.draft_probs = d, None
@@ -219,12 +218,10 @@ def rows_context(runner, items: list[tuple[Sequence, int, int]], decode_rows_max
     for seq, start, n in items:
         slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
         cu.append(cu[-1] + n)
-    width = max(len(seq.block_table) for seq, _, _ in items)
     qlens, cached = [n for _, _, n in items], [s for _, s, _ in items]
     ctx = Context(cu_seqlens_q=t(cu, torch.int32), seq_lens=t([s + n for s, n in zip(cached, qlens)], torch.int32),
                   slot_mapping=t(slots, torch.int64),
-                  block_tables=t([seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _, _ in items],
-                                 torch.int32),
+                  block_tables=block_tables([seq for seq, _, _ in items]).to(dev),
                   state_slots=t([seq.state_slot for seq, _, _ in items], torch.int64), query_lens=qlens,
                   context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
                   max_seq_len=max(c + n for c, n in zip(cached, qlens)))

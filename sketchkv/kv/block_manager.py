@@ -58,6 +58,7 @@ class BlockManager:
             if self.ref[b] == 0:
                 self.free[b] = None
                 self.free.move_to_end(b, last=False)
+        seq.table_truncated()
 
     def release(self, seq: Sequence) -> None:
         for b in reversed(seq.block_table):  # the tail first: prefixes are more likely reused
