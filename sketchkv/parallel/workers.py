@@ -58,6 +58,10 @@ class StepSeq:
     def step_token_ids(self, n: int) -> list[int]:
         return self.new_token_ids
 
+    def block_table_tensor(self):
+        """As Sequence.block_table_tensor (the table arrives as a fresh list every step)."""
+        return torch.tensor(self.block_table, dtype=torch.int32)
+
     def num_drafts(self, n: int) -> int:
         return max(0, n - (self.length - self.num_cached))
 
