@@ -137,6 +137,7 @@ def main():
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens (about)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per n after the warm-up (the median is reported)")
     ap.add_argument("--option", nargs="*", default=[], help="engine options KEY=VALUE (e.g. sparse=true enforce_eager=true)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after each timed run, profile a short run of the same batch (torch.profiler): GPU and host time "
@@ -162,22 +163,26 @@ def main():
         rows = {}
         base = None
         for n in [0] + a.n:
-            llm = LLM(model, num_speculative_tokens=n, max_num_seqs=max(a.prompts, 1), **opts)
+            # no prefix caching: the warm-up and every timed run do the same work (prefill included)
+            llm = LLM(model, num_speculative_tokens=n, max_num_seqs=max(a.prompts, 1), enable_prefix_caching=False,
+                      **opts)
             prompts = build_prompts(llm, docs, style, a.prompts, a.context, a.seed)
             if n and llm.engine.runner.spec is not None:
                 mem = llm.engine.runner.spec.bytes_per_seq(a.context + a.max_tokens)
             else:
                 mem = None
-            # warm-up: the whole workload once, on a shuffled copy of the prompts (the same lengths; the
-            # prompts themselves would then be prefix-cached). Speculative steps meet many batch shapes (the
-            # batch thins out as sequences finish at different steps, eager verification rows vary), each
-            # a Triton compile / fla autotune on first use, 0.1-0.8 s apiece (H200 run 22's profile):
-            # a server pays them once, a timed run must not
-            rng = random.Random(a.seed + 1)
-            run(llm, [rng.sample(p, len(p)) for p in prompts], a.max_tokens)
-            if llm.engine.runner.spec is not None:
-                llm.engine.runner.spec.reset_metrics()
-            r = run(llm, prompts, a.max_tokens)
+            # warm-up: the whole workload once. Speculative steps meet many batch shapes (the batch thins
+            # out as sequences finish at different steps, eager verification rows vary), each a Triton
+            # compile / fla autotune on first use, 0.1-0.8 s apiece (H200 run 22's profile): a server pays
+            # them once, a timed run must not
+            run(llm, prompts, a.max_tokens)
+            timed = []
+            for _ in range(a.repeats):   # a run of ~1K tokens is a fraction of a second: the median of a few
+                if llm.engine.runner.spec is not None:
+                    llm.engine.runner.spec.reset_metrics()
+                timed.append(run(llm, prompts, a.max_tokens))
+            r = sorted(timed, key=lambda x: x["tok_per_s"])[len(timed) // 2]
+            r["tok_per_s_runs"] = [x["tok_per_s"] for x in timed]
             toks = r.pop("tokens")
             if n == 0:
                 base = toks
