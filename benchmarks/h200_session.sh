@@ -79,6 +79,8 @@ case " $STAGES " in *" agents "*)
       # reference model's accepted length at n = 7 (explain-style, run 11: 4.01); compare with `sparse`: ~5 min
       # (run 18: the 8 x 250K point alone needs > 195 s after a 120 s engine build; give it >= 300 s)
       spec) A="--model random:qwen3.5-27b+mtp --configs sparse --agents 8 --contexts 128K 250K --fill random --num-speculative-tokens 7 --reference-accepted-length 4.01";;
+      # only the 8 x 250K point of `spec` (the 128K point first made run 18's stage run out): ~6 min with the build
+      spec250) A="--model random:qwen3.5-27b+mtp --configs sparse --agents 8 --contexts 250K --fill random --num-speculative-tokens 7 --reference-accepted-length 4.20";;
       # the same with one selection per sequence in verification steps (its first row's; approximate): ~5 min
       spec-shared) A="--model random:qwen3.5-27b+mtp --configs sparse --agents 8 --contexts 128K 250K --fill random --num-speculative-tokens 7 --reference-accepted-length 4.01 --sparse-verify-selection shared";;
       # the bundled reference model on real text (realistic picks and hit rates), real prefill: ~3-4 min

@@ -7,7 +7,9 @@ is not complete for query n (g >= visible[n] // c) and past G. The keys of block
 (`IndexedAttention.key_rows` for first = c * g). The reference gathers those rows into a [N, G, D] copy
 (64 MiB per query at 1M tokens, bf16) and forms [N, H, slice] fp32 products; the kernel reads each visible
 block's key once through the block table, scores all heads with one tensor-core dot per tile and writes
-only [N, G] fp32, so its cost is the key bytes (~64 MiB per sequence and layer at 1M tokens).
+only [N, G] fp32, so its cost is the key bytes (~64 MiB per sequence and layer at 1M tokens). Interpreter-tested
+against the reference, GPU-tested at 8 x 1M tokens (H200 run 22); with it QSA decode stays within 9.7% from 8K
+to 1M context (it grew 28% with the reference, run 20).
 """
 import math
 import os
