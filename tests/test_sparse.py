@@ -459,5 +459,5 @@ def test_bad_sparse_knob_is_one_line_error(ckpt_with_basis, knob, value):
     from sketchkv.errors import RequestError
     with pytest.raises(RequestError, match=f"{knob} must be .*got '{value}'"):
         LLM(ckpt_with_basis, device="cpu", sparse=True, **{knob: value})
-    with pytest.raises(RequestError, match="prefill_attention must be flash or cudnn, got 'xformers'"):
+    with pytest.raises(RequestError, match="prefill_attention must be one of flash, cudnn, got 'xformers'"):
         LLM(ckpt_with_basis, device="cpu", prefill_attention="xformers")

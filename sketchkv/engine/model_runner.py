@@ -64,7 +64,7 @@ class ModelRunner:
         if sp.verify_selection not in ("per_row", "shared"):
             raise RequestError(f"sparse_verify_selection must be per_row or shared, got {sp.verify_selection!r}")
         if sp.score_kernel not in sketch_ops.KERNELS:
-            raise RequestError(f"sparse_score_kernel must be auto, fma or dot, got {sp.score_kernel!r}")
+            raise RequestError(f"sparse_score_kernel must be one of {', '.join(sketch_ops.KERNELS)}, got {sp.score_kernel!r}")
         if sp.tier_kernel not in ("torch", "triton"):
             raise RequestError(f"sparse_tier_kernel must be torch or triton, got {sp.tier_kernel!r}")
         if sp.selector == "exact" and sp.host_tier:
@@ -86,7 +86,8 @@ class ModelRunner:
         # MTP layers get caches only when speculative decoding is on.
         self.attn_layers = [m for n, m in model.named_modules() if isinstance(m, Attention) and not n.startswith("mtp.")]
         if cfg.prefill_attention not in prefill_attention.BACKENDS:
-            raise RequestError(f"prefill_attention must be flash or cudnn, got {cfg.prefill_attention!r}")
+            raise RequestError(f"prefill_attention must be one of {', '.join(prefill_attention.BACKENDS)}, "
+                               f"got {cfg.prefill_attention!r}")
         for m in model.modules():
             if isinstance(m, Attention):
                 m.prefill_backend = cfg.prefill_attention

@@ -198,17 +198,14 @@ class HotBuffer:
         """Place the misses keys [B, N] (host slots, < 0 = nothing) of sequences pids [B] (list or
         device tensor) and copy their rows src_k/src_v [B, N, Hkv, D] in. Returns pool rows [B, N]
         (-1: not admitted: no pick, already resident, a duplicate, or no room this step).
-        max_cap: bound on the partitions' capacity (default: the largest live one; pass a constant
-        when capturing a graph)."""
+        max_cap: bound on the partitions' capacity for the PyTorch admit's shapes (default: the largest live
+        one; pass a constant when capturing a graph)."""
         dev = self.device
         B, N = keys.shape
         if isinstance(pids, torch.Tensor):
             pid_t = pids.to(dev, torch.int64)
-            C = max_cap if max_cap is not None else max((c for _, c in self._parts.values()), default=0)
         else:
             pid_t = torch.tensor(pids, dtype=torch.int64, device=dev)
-            C = max_cap if max_cap is not None else max((self._parts[p][1] for p in pids), default=0)
-        C = max(C, 1)
         keys = keys.to(dev).long()
         # 1. which keys to admit: picks, not resident, first occurrence in the batch (row-major order)
         valid = keys >= 0
@@ -227,7 +224,15 @@ class HotBuffer:
                                                   self.hand[layer], self.used[layer], self.ref[layer],
                                                   self.key[layer], self.map[layer], src_k.to(dev, self.dtype),
                                                   src_v.to(dev, self.dtype), self.k[layer], self.v[layer],
-                                                  self.window, C)
+                                                  self.window)
+        # the lap's static width (the Triton kernel's lap ends at `used` instead)
+        if max_cap is not None:
+            C = max_cap
+        elif isinstance(pids, torch.Tensor):
+            C = max((c for _, c in self._parts.values()), default=0)
+        else:
+            C = max((self._parts[p][1] for p in pids), default=0)
+        C = max(C, 1)
         rank = valid.long().cumsum(1) - 1                  # the admit's index within its sequence
         M = valid.sum(1)
         base, cap = self.part_base[pid_t], self.part_cap[pid_t]

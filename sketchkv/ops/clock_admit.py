@@ -121,11 +121,11 @@ if triton is not None:
 
 
 def clock_admit_triton(keys, pids, part_base, part_cap, hand, used, ref, key, hot_map, src_k, src_v, pool_k, pool_v,
-                       window: int, max_cap: int) -> torch.Tensor:
+                       window: int) -> torch.Tensor:
     """keys [B, N] int64: the misses to admit (deduplicated, not resident; -1 elsewhere); pids [B] int64;
     hand / used: the layer's [max_seqs] rows; ref / key: the layer's [P + 1]; hot_map: the layer's map;
     src_k / src_v [B, N, Hkv, D]; pool_k / pool_v: the layer's [rows, Hkv, D]. -> pool rows [B, N] (-1: not
-    admitted). max_cap: unused here (the PyTorch admit's shapes need it; the kernel's lap ends at `used`). Updates the partitions' hand / used, bits, keys, map and rows in place."""
+    admitted). Updates the partitions' hand / used, bits, keys, map and rows in place."""
     B, N = keys.shape
     HD = src_k.shape[-1] * src_k.shape[-2]
     assert HD & (HD - 1) == 0, "Hkv * head_dim must be a power of two"
