@@ -13,6 +13,7 @@ sorted by address, the kernel's rows-per-program and warps are swept; GB/s = pic
 """
 import argparse
 import json
+import mmap
 import platform
 import sys
 import time
@@ -54,6 +55,33 @@ def sync():
         torch.cuda.synchronize()
 
 
+def alloc_thp(nbytes: int) -> tuple[torch.Tensor, object]:
+    """uint8 [nbytes] anonymous memory on a 2 MiB boundary, madvise(MADV_HUGEPAGE), touched, then
+    cudaHostRegister'd: does the GPU's zero-copy path care how the host pages are backed? Returns
+    (tensor, mmap keep-alive)."""
+    m = mmap.mmap(-1, nbytes + 2**21, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    off = (-whole.data_ptr()) % 2**21
+    buf = whole[off:off + nbytes]
+    buf.fill_(1)  # fault the pages in (huge ones where the kernel grants them)
+    if not SMOKE:
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1 | 2)
+        assert err == torch.cuda.cudart().cudaError.success, f"cudaHostRegister failed: {int(err)}"
+    return buf, m
+
+
+def anon_huge_mib() -> float:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
 def copy_bandwidth(host: torch.Tensor, nbytes: int) -> tuple[float, float]:
     """(H2D, D2H) GB/s: one nbytes copy between the pinned buffer and the device."""
     src = host[:nbytes]
@@ -68,6 +96,12 @@ def main():
     p.add_argument("--gib", type=float, default=8.0, help="pinned host buffer size")
     p.add_argument("--picks", type=int, nargs="+", default=[16384, 131072])
     p.add_argument("--quick", action="store_true", help="default tile only, no sweep")
+    p.add_argument("--footprints-mib", type=float, nargs="*", default=[16, 256, 2048, 8192],
+                   help="locality probe: 16K random picks confined to the first F MiB of the buffer, per "
+                        "allocation below (512 B and 1088 B rows, each case's best tile); none: skip")
+    p.add_argument("--allocs", nargs="+", default=["register", "thp"], choices=["register", "torch", "thp"],
+                   help="host allocations for the locality probe: malloc + cudaHostRegister (the engine's), "
+                        "cudaHostAlloc via torch pin_memory, 2 MiB-aligned madvise(MADV_HUGEPAGE) + register")
     p.add_argument("--out", default="benchmarks/results/host-gather.json")
     p.add_argument("--smoke", action="store_true", help="CPU dry run (TRITON_INTERPRET=1): tiny sizes, no GPU")
     a = p.parse_args()
@@ -143,6 +177,42 @@ def main():
         if not SMOKE:
             torch.cuda.empty_cache()
     res["gather"] = rows_out
+
+    # locality: is a pick's cost per row (address translation) or per byte (PCIe)? Same picks count,
+    # confined to F MiB, under each host allocation (THP-backed pages map with fewer entries)
+    loc = []
+    best_tile = {r["case"]: r["best_tile"] for r in rows_out if r["picks"] == a.picks[0] and not r["sorted"]}
+    for alloc in a.allocs if a.footprints_mib else []:
+        keep = None
+        if alloc == "register":
+            buf = host
+        elif alloc == "torch":
+            buf = alloc_host(nbytes, "torch")[:nbytes] if not SMOKE else host
+        else:
+            huge0 = anon_huge_mib()
+            buf, keep = alloc_thp(nbytes)
+            res["thp_anon_huge_mib_added"] = anon_huge_mib() - huge0
+        for name, fmt, Hkv, D, per_head in CASES:
+            if per_head or name not in best_tile or Hkv * head_record_bytes(fmt, D) not in (512, 1088):
+                continue
+            rb = Hkv * head_record_bytes(fmt, D)
+            rpp, nw = best_tile[name]
+            for F in a.footprints_mib:
+                R = min(int(F * 2**20), nbytes) // rb
+                N = min(16384, R)
+                picks = torch.randperm(R, device=dev)[:N]
+                dk = torch.empty(N, Hkv, D, device=dev, dtype=torch.bfloat16)
+                dvv = torch.empty_like(dk)
+                src = buf[:R * rb].view(R, rb)
+                t = bench(lambda: host_gather(src, picks, dk, dvv, fmt, rows_per_program=rpp, num_warps=nw))
+                loc.append({"alloc": alloc, "case": name, "footprint_mib": F, "picks": N, "us": t * 1e6,
+                            "GBps": N * rb / t / 1e9, "frac_of_h2d": N * rb / t / 1e9 / h2d})
+                print(f"locality {alloc:8s} {name:24s} {F:7.0f} MiB: {loc[-1]['GBps']:5.1f} GB/s "
+                      f"({100 * loc[-1]['frac_of_h2d']:.0f}% of copy)")
+        if alloc == "thp" and not SMOKE:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        del buf, keep
+    res["locality"] = loc
     at512 = [r for r in rows_out if r["bytes_per_pick"] == 512 and r["sorted"]]
     res["goal_512B_70pct"] = bool(at512) and min(r["frac_of_h2d"] for r in at512) >= 0.70
 
@@ -198,6 +268,10 @@ def main():
     for r in rows_out:
         print(f"| {r['case']} | {r['picks']} | {'sorted' if r['sorted'] else 'random'} | {r['best_GBps']:.1f} | "
               f"{100 * r['frac_of_h2d']:.0f}% | {r['best_tile'][0]} x {r['best_tile'][1]} |")
+    if loc:
+        print("\n| allocation | rows | footprint MiB | GB/s | % of copy |\n|---|---|---|---|---|")
+        for r in loc:
+            print(f"| {r['alloc']} | {r['case']} | {r['footprint_mib']:.0f} | {r['GBps']:.1f} | {100 * r['frac_of_h2d']:.0f}% |")
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
