@@ -34,7 +34,7 @@ def projected_bytes(llm: LLM, tokens: int) -> dict:
     sketch = r.sketch_bytes_per_block / r.block_size * tokens
     slot_map = 4 * L * tokens
     resident = (sp.sink_tokens + sp.recent_tokens) * L * 2 * c.num_kv_heads * c.head_dim * r.dtype.itemsize
-    hot = max(64, int(sp.hot_fraction * tokens + 0.999)) * hot_row_bytes(L, c.num_kv_heads, c.head_dim, r.dtype)
+    hot = max(64, int(sp.hot_fraction * tokens + 0.999)) * hot_row_bytes(L, c.num_kv_heads, c.head_dim, sp.host_format)
     host = tokens * HostKVStore.bytes_per_token(L, c.num_kv_heads, c.head_dim, sp.host_format)
     return {"tokens": tokens, "gpu_bytes": int(sketch + slot_map + resident + hot), "gpu_sketch": int(sketch),
             "gpu_slot_map": slot_map, "gpu_resident": resident, "gpu_hot": hot, "host_bytes": host}

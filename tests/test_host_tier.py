@@ -251,6 +251,51 @@ def test_interp_gather_kernel_row_tiles_and_empty():
     assert (z[0] == 0).all()
 
 
+RAW_CFGS = [("int4", 4, 64), ("int8", 2, 256), ("bf16", 3, 32)]
+
+
+@pytest.mark.parametrize("fmt,Hkv,D", RAW_CFGS)
+@pytest.mark.parametrize("sort", [False, True])
+def test_gather_keeps_raw_records(fmt, Hkv, D, sort):
+    _raw_records_case(fmt, Hkv, D, sort)
+
+
+@needs_interp
+@pytest.mark.parametrize("fmt,Hkv,D", RAW_CFGS)
+@pytest.mark.parametrize("sort", [False, True])
+def test_interp_gather_kernel_keeps_raw_records(fmt, Hkv, D, sort):
+    _raw_records_case(fmt, Hkv, D, sort)
+
+
+def _raw_records_case(fmt, Hkv, D, sort):
+    """raw=: each pick's host record lands at its destination row as stored (the hot pool admits
+    these), the dequantised rows are unchanged, skipped picks leave raw untouched; re-gathering from
+    the copied records (the hot pool's read) gives the same K/V."""
+    store = filled_store(fmt, Hkv, D, seed=3, num_blocks=9, bs=16)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, store.num_slots, (29,), generator=g)
+    rows[[4, 17]] = -1
+    M = 40
+    drows = torch.randperm(M, generator=g)[:29]
+    k0, v0 = torch.zeros(M, Hkv, D), torch.zeros(M, Hkv, D)
+    host_gather_ref(store.rows(0), rows, k0, v0, fmt, drows)
+    k, v = torch.zeros(M, Hkv, D), torch.zeros(M, Hkv, D)
+    raw = torch.full((M, store.row_bytes), 0xAB, dtype=torch.uint8)
+    host_gather(store.rows(0), rows, k, v, fmt, drows, raw=raw, sort=sort)
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    ok = rows >= 0
+    got, want = raw[drows[ok]], store.rows(0)[rows[ok]]
+    # the head record's alignment padding (int4 at D = 64, int8) is not copied: compare what they decode to
+    dec = [qk.unpack_kv(x.view(-1, Hkv, store.head_bytes), fmt, D) for x in (got, want)]
+    assert all(torch.equal(a, b) for a, b in zip(*dec))
+    skipped = torch.ones(M, dtype=torch.bool)
+    skipped[drows[ok]] = False
+    assert (raw[skipped] == 0xAB).all()
+    k2, v2 = torch.zeros(M, Hkv, D), torch.zeros(M, Hkv, D)
+    host_gather(raw, torch.where(skipped, -1, torch.arange(M)), k2, v2, fmt)
+    assert torch.equal(k2, k0) and torch.equal(v2, v0)
+
+
 @needs_interp
 @pytest.mark.parametrize("fmt", qk.FORMATS)
 def test_interp_store_write_kernel_roundtrip(fmt):
@@ -320,14 +365,14 @@ def hb_step(hb, layer, pids, keys_per_seq, src=None):
     rows = hb.lookup(layer, keys)
     miss = torch.where((rows < 0) & (keys >= 0), keys, -1)
     if src is None:
-        src = torch.zeros(len(pids), N, hb.Hkv, hb.D)
-    placed = hb.admit(layer, pids, miss, src, src + 1)
+        src = torch.zeros(len(pids), N, *hb.row_shape)
+    placed = hb.admit(layer, pids, miss, src)
     return rows, placed
 
 
 def test_clock_exact_eviction_order():
     # cap 4, window 3: fills, hits protect, cold rows leave, the window's end is evicted when full
-    hb = HotBuffer(1, 100, 8, 1, 16, torch.float32, window=3, min_rows=1)
+    hb = HotBuffer(1, 100, 8, (1, 16), torch.float32, window=3, min_rows=1)
     pid = hb.add_sequence(rows=4)
     base = hb._parts[pid][0]
     evicted = []
@@ -337,8 +382,7 @@ def test_clock_exact_eviction_order():
         rows = hb.lookup(0, torch.tensor([lookups], dtype=torch.int64)) if lookups else None
         if rows is not None:
             assert (rows >= 0).all()
-        placed = hb.admit(0, [pid], torch.tensor([misses], dtype=torch.int64), torch.zeros(1, len(misses), 1, 16),
-                          torch.zeros(1, len(misses), 1, 16))
+        placed = hb.admit(0, [pid], torch.tensor([misses], dtype=torch.int64), torch.zeros(1, len(misses), 1, 16))
         evicted.extend(key_at[r] for r in placed[0].tolist() if r in key_at)
         return [r - base if r >= 0 else -1 for r in placed[0].tolist()]
 
@@ -354,7 +398,7 @@ def test_clock_exact_eviction_order():
 
 
 def test_clock_hits_stay_cold_leave():
-    hb = HotBuffer(1, 10_000, 64, 1, 16, torch.float32, window=4, min_rows=1)
+    hb = HotBuffer(1, 10_000, 64, (1, 16), torch.float32, window=4, min_rows=1)
     pid = hb.add_sequence(rows=8)
     hot = [1, 2, 3]
     next_key = 100
@@ -371,7 +415,7 @@ def test_clock_hits_stay_cold_leave():
 
 def test_clock_window_is_respected():
     # all rows referenced, window 3: the victim is the 3rd row from the hand, bits beyond stay set
-    hb = HotBuffer(1, 1000, 16, 1, 16, torch.float32, window=3, min_rows=1)
+    hb = HotBuffer(1, 1000, 16, (1, 16), torch.float32, window=3, min_rows=1)
     pid = hb.add_sequence(rows=8)
     hb_step(hb, 0, [pid], [list(range(8))])
     hb.lookup(0, torch.arange(8)[None])
@@ -386,7 +430,7 @@ def test_clock_window_is_respected():
 
 
 def test_clock_one_lap_per_step_and_capacity():
-    hb = HotBuffer(1, 1000, 16, 1, 16, torch.float32, window=2, min_rows=1)
+    hb = HotBuffer(1, 1000, 16, (1, 16), torch.float32, window=2, min_rows=1)
     pid = hb.add_sequence(rows=4)
     _, placed = hb_step(hb, 0, [pid], [[1, 2, 3, 4, 5, 6]])
     assert placed.tolist() == [[0, 1, 2, 3, -1, -1]]  # more misses than rows: the extra are not admitted
@@ -412,7 +456,7 @@ def _clock_vs_sequential(seed, kernel):
     rnd = random.Random(seed)
     W = rnd.choice([1, 2, 3, 8])
     caps = [rnd.choice([3, 7, 16, 20]) for _ in range(3)]
-    hb = HotBuffer(2, 10_000, sum(caps) + 5, 2, 16, torch.float32, window=W, min_rows=1, kernel=kernel)
+    hb = HotBuffer(2, 10_000, sum(caps) + 5, (2, 16), torch.float32, window=W, min_rows=1, kernel=kernel)
     pids = [hb.add_sequence(rows=c) for c in caps]
     refs = [[SequentialClock(c, W) for c in caps] for _ in range(2)]
     universes = [list(range(1000 * (b + 1), 1000 * (b + 1) + 3 * caps[b])) for b in range(3)]
@@ -427,9 +471,9 @@ def _clock_vs_sequential(seed, kernel):
             miss = torch.where((rows < 0) & (keys >= 0), keys, -1)
             src = torch.randn(3, N, 2, 16)
             if step % 2:  # pids as a device tensor (the graph-friendly form), capacity bound given
-                placed = hb.admit(layer, torch.tensor(pids), miss, src, -src, max_cap=max(caps) + step % 3)
+                placed = hb.admit(layer, torch.tensor(pids), miss, src, max_cap=max(caps) + step % 3)
             else:
-                placed = hb.admit(layer, pids, miss, src, -src)
+                placed = hb.admit(layer, pids, miss, src)
             for b, (pid, ref) in enumerate(zip(pids, refs[layer])):
                 base = hb._parts[pid][0]
                 want_hits = [ref.lookup(k) for k in picks[b]]
@@ -445,7 +489,7 @@ def _clock_vs_sequential(seed, kernel):
                 # the admitted rows carry their data
                 for n, r in enumerate(placed[b].tolist()):
                     if r >= 0:
-                        assert torch.equal(hb.k[layer, r], src[b, n]) and torch.equal(hb.v[layer, r], -src[b, n])
+                        assert torch.equal(hb.rows[layer, r], src[b, n])
     assert hb.counters.snapshot()["hits"] > 0
 
 
@@ -459,7 +503,7 @@ def test_interp_clock_admit_kernel_shared_keys_and_lifecycle():
 
 
 def _shared_keys_dedup_and_lifecycle(kernel):
-    hb = HotBuffer(1, 1000, 20, 1, 16, torch.float32, window=4, min_rows=1, kernel=kernel)
+    hb = HotBuffer(1, 1000, 20, (1, 16), torch.float32, window=4, min_rows=1, kernel=kernel)
     a, b = hb.add_sequence(rows=6), hb.add_sequence(rows=6)
     # both sequences miss key 7 (a prefix-shared block) and 8 twice: admitted once, by the first
     rows, placed = hb_step(hb, 0, [a, b], [[7, 8, 8], [7, 9]])
@@ -485,7 +529,7 @@ def _shared_keys_dedup_and_lifecycle(kernel):
 
 
 def test_hot_buffer_invalidate():
-    hb = HotBuffer(2, 1000, 8, 1, 16, torch.float32, window=2, min_rows=1)
+    hb = HotBuffer(2, 1000, 8, (1, 16), torch.float32, window=2, min_rows=1)
     p = hb.add_sequence(rows=4)
     for layer in range(2):
         hb_step(hb, layer, [p], [[5, 6]])
@@ -544,7 +588,8 @@ def test_gpu_step_has_no_host_sync_and_matches_cpu():
     k = torch.randn(64 * bs, Hkv, D, device="cuda")
     for layer in range(L):
         store.write(layer, torch.arange(64 * bs, device="cuda"), k, k)
-    hbs = [HotBuffer(L, store.num_slots, 64, Hkv, D, torch.bfloat16, dev, window=4, min_rows=1) for dev in ("cuda", "cpu")]
+    hbs = [HotBuffer(L, store.num_slots, 64, (store.row_bytes,), torch.uint8, dev, window=4, min_rows=1)
+           for dev in ("cuda", "cpu")]
     pids = [[hb.add_sequence(rows=24), hb.add_sequence(rows=30)] for hb in hbs]
     pid_t = torch.tensor(pids[0], device="cuda")
     five = torch.tensor([5], device="cuda")
@@ -563,19 +608,21 @@ def test_gpu_step_has_no_host_sync_and_matches_cpu():
                     miss = torch.where(rows < 0, kk, -1)
                     sk = torch.zeros(2 * 48, Hkv, D, device=dev, dtype=torch.bfloat16)
                     sv = torch.zeros_like(sk)
+                    rec = torch.zeros(2 * 48, store.row_bytes, device=dev, dtype=torch.uint8)
                     if dev == "cuda":
-                        store.gather(layer, miss.flatten(), sk, sv, sort=True)
+                        store.gather(layer, miss.flatten(), sk, sv, sort=True, raw=rec)
                         store.write(layer, five, k[5:6], k[5:6])  # same bytes: the CPU side reads them too
                     else:
-                        host_gather_ref(store.rows(layer), miss.flatten().cpu(), sk, sv, "int4")
-                    placed = hb.admit(layer, p, miss, sk.view(2, 48, Hkv, D), sv.view(2, 48, Hkv, D), max_cap=30)
+                        host_gather_ref(store.rows(layer), miss.flatten().cpu(), sk, sv, "int4", raw=rec)
+                    placed = hb.admit(layer, p, miss, rec.view(2, 48, -1), max_cap=30)
                 finally:
                     if dev == "cuda":
                         torch.cuda.set_sync_debug_mode(0)
                 outs.append((rows.cpu(), placed.cpu()))
             assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     # the dump row (last) absorbs masked writes in any order (GPU index_put with duplicates): not state
-    assert torch.equal(hbs[0].k[:, :-1].cpu(), hbs[1].k[:, :-1]) and torch.equal(hbs[0].ref.cpu(), hbs[1].ref)
+    assert torch.equal(hbs[0].rows[:, :-1].cpu(), hbs[1].rows[:, :-1]) and torch.equal(hbs[0].ref.cpu(), hbs[1].ref)
+    assert (hbs[1].rows[:, :-1] != 0).any()
 
 
 # ---- the scratch composition kernel (ops/tier_gather.py) under the interpreter ------------------------
@@ -599,33 +646,35 @@ def _compose_case(map_dtype, seed=0):
     hot_map = torch.full((slots_total + 1,), -1, dtype=map_dtype)
     hot_slots = torch.randperm(slots_total, generator=g)[:400]
     hot_map[hot_slots] = torch.randint(0, P, (400,), generator=g).to(map_dtype)
-    rows_k = torch.randn(P + 1 + n_res, Hkv, D, generator=g)
-    rows_v = torch.randn(P + 1 + n_res, Hkv, D, generator=g)
+    res_k = torch.randn(n_res, Hkv, D, generator=g)
+    res_v = torch.randn(n_res, Hkv, D, generator=g)
     state_slots = torch.tensor([2, 0, 3])
-    kw = dict(sinks=S, recent=R, ring=R, width=width, block_size=bs, res_base=P + 1, dump_row=n_res - 1, Np=48)
-    return (pos, counts, lens, state_slots, tables, hot_map), (rows_k, rows_v), P, kw
+    kw = dict(sinks=S, recent=R, ring=R, width=width, block_size=bs, dump_row=n_res - 1, Np=48)
+    return (pos, counts, lens, state_slots, tables, hot_map), (res_k, res_v), P, kw
 
 
 @needs_interp
 @pytest.mark.parametrize("map_dtype", [torch.int16, torch.int32])
 def test_interp_compose_rows_kernel_vs_ref(map_dtype):
-    """The fused scratch composition = the PyTorch reference: miss keys, every non-miss row (sinks and
-    recent ring from the resident rows, hits from the hot pool, padding from the dump row), the
-    reference bits of the hits, the hit / miss counters."""
+    """The fused scratch composition = the PyTorch reference: miss keys, hit pool rows, every other row
+    (sinks and recent ring from the resident rows, padding from the dump row), the reference bits of
+    the hits, the hit / miss counters."""
     from sketchkv.ops.tier_gather import compose_rows_ref, compose_rows_triton
     sel, (rk, rv), P, kw = _compose_case(map_dtype)
     outs = []
     for fn in (compose_rows_ref, compose_rows_triton):
         ref_bits = torch.zeros(P + 1, dtype=torch.uint8)
         counters = torch.zeros(4, dtype=torch.int64)
-        k, v, miss = fn(*sel, ref_bits, rk, rv, counters, **kw)
-        outs.append((k, v, miss, ref_bits, counters))
-    (k0, v0, m0, r0, c0), (k1, v1, m1, r1, c1) = outs
+        k, v, miss, hit = fn(*sel, ref_bits, rk, rv, counters, **kw)
+        outs.append((k, v, miss, hit, ref_bits, counters))
+    (k0, v0, m0, h0, r0, c0), (k1, v1, m1, h1, r1, c1) = outs
     assert torch.equal(m0, m1) and (m0 >= 0).any() and (m0 < 0).any()
-    keep = m0 < 0
+    assert torch.equal(h0, h1) and (h0 >= 0).any() and not ((h0 >= 0) & (m0 >= 0)).any()
+    assert torch.equal(r0[h0[h0 >= 0]], torch.ones(int((h0 >= 0).sum()), dtype=torch.uint8))
+    keep = (m0 < 0) & (h0 < 0)
     assert torch.equal(k0[keep], k1[keep]) and torch.equal(v0[keep], v1[keep])
     assert torch.equal(r0[:P], r1[:P]) and r0.sum() > 0
-    assert torch.equal(c0, c1) and c0[0] > 0 and c0[1] == (m0 >= 0).sum()
+    assert torch.equal(c0, c1) and c0[0] == (h0 >= 0).sum() and c0[1] == (m0 >= 0).sum()
 
 
 # ---- interpreter child -------------------------------------------------------------------------------

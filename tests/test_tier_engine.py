@@ -266,13 +266,13 @@ def test_interp_tier_step_matches_reference(fmt, kernel):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(2, Hq, D)
     for step in range(2):  # second step: the picks are hot
-        kk, vv, miss = tier.gather(0, idx, counts, tables, seq_lens, torch.tensor([0, 1]))
+        kk, vv, miss, rec = tier.gather(0, idx, counts, tables, seq_lens, torch.tensor([0, 1]))
         B, Np = miss.shape
         nb = Np // ATTN_BLOCK
         t = (torch.arange(B, dtype=torch.int32)[:, None] * nb + torch.arange(nb, dtype=torch.int32)[None])
         out = pa.paged_attention_decode(q, kk.view(B * nb, ATTN_BLOCK, Hkv, D), vv.view(B * nb, ATTN_BLOCK, Hkv, D),
                                         t, counts, D ** -0.5)
-        placed = tier.hot.admit(0, pids, miss, kk, vv)
+        placed = tier.admit(0, pids, miss, rec)
         assert (miss >= 0).sum() == (5 + 3 if step == 0 else 0)
         assert (placed >= 0).sum() == (miss >= 0).sum()
         # reference: a dense cache whose picked rows went through the host format, sinks/tail exact
@@ -348,14 +348,14 @@ def test_gpu_tier_step_in_cuda_graph_matches_reference(kernel):
     s_idx, s_counts = picks()
 
     def step():
-        k, v, miss = tier.gather(0, s_idx, s_counts, tables, seq_lens, states)
+        k, v, miss, rec = tier.gather(0, s_idx, s_counts, tables, seq_lens, states)
         B, Np = miss.shape
         nb = Np // ATTN_BLOCK
         t = (torch.arange(B, device=dev, dtype=torch.int32)[:, None] * nb
              + torch.arange(nb, device=dev, dtype=torch.int32)[None])
         out = pa.paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, Hkv, D), v.view(B * nb, ATTN_BLOCK, Hkv, D),
                                         t, s_counts, D ** -0.5)
-        tier.hot.admit(0, pids, miss, k, v, max_cap=tier.max_part_rows)
+        tier.admit(0, pids, miss, rec, graph=True)
         return out
     step()  # warm-up: compiles, admits
     torch.cuda.synchronize()

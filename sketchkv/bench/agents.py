@@ -382,7 +382,8 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
                 "host_row_bytes": r.tier.store.row_bytes, "host_bytes_allocated": tier1.host_bytes,
                 "gpu_bytes_allocated": tier1.gpu_bytes}
     selected = sp.sink_tokens + sp.top_k + sp.recent_tokens
-    b = F.step_bytes(shape, config == "sparse", n, ctx_mean, selected, pcie)
+    b = F.step_bytes(shape, config == "sparse", n, ctx_mean, selected, pcie,
+                     resident=sp.sink_tokens + sp.recent_tokens, host_format=sp.host_format if tier0 is not None else None)
     fl = F.floor_seconds(b, bw["hbm"], bw["pcie"] or bw["hbm"])
     floor = dict(fl, tok_s=n / fl["total_s"], fraction=fl["total_s"] / step_s,
                  fraction_hbm_only=fl["hbm_s"] / step_s, ms=1e3 * fl["total_s"])

@@ -54,9 +54,10 @@ class Shape:
         from sketchkv.kv.host_store import HostKVStore
         return HostKVStore.bytes_per_token(self.attn_layers, self.kv_heads, self.head_dim, fmt)
 
-    @property
-    def hot_row(self) -> int:
-        return self.attn_layers * (2 * self.kv_heads * self.head_dim * self.itemsize + 8 + 1)
+    def hot_row(self, fmt: str) -> int:
+        """GPU bytes of one hot-pool row (a host record of format fmt, over all layers)."""
+        from sketchkv.kv.host_tier import hot_row_bytes
+        return hot_row_bytes(self.attn_layers, self.kv_heads, self.head_dim, fmt)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -118,13 +119,19 @@ def shape_of(model_path: str, dtype: torch.dtype, block_size: int, basis: str | 
 # Bytes per decode step and the floor
 # ----------------------------------------------------------------------------------------------------------
 def step_bytes(shape: Shape, sparse: bool, agents: int, context: float, selected: int = 0,
-               pcie: float = 0.0) -> dict:
+               pcie: float = 0.0, resident: int | None = None, host_format: str | None = None) -> dict:
     """Bytes one decode step of `agents` agents at `context` cached tokens each must move.
-    selected: sinks + top_k + recent (sparse). pcie: measured host-tier miss bytes per step."""
+    selected: sinks + top_k + recent (sparse). pcie: measured host-tier miss bytes per step.
+    With the host tier (host_format given), the picks beyond the `resident` sinks + recent rows (model
+    dtype) are read from the hot buffer in the host format (misses: PCIe, counted in pcie)."""
     kv_rows = min(context, selected) if sparse else context
+    kv = agents * kv_rows * shape.kv_per_token
+    if sparse and host_format is not None and resident is not None:
+        res = min(kv_rows, resident)
+        kv = agents * (res * shape.kv_per_token + (kv_rows - res) * shape.host_per_token(host_format))
     out = {"weights": shape.weights + agents * shape.embed_row,
            "gdn_state": 2 * agents * shape.gdn_state,
-           "kv": agents * kv_rows * shape.kv_per_token,
+           "kv": kv,
            "sketch": agents * context * shape.sketch_per_token if sparse else 0}
     out["hbm"] = sum(out.values())
     out["pcie"] = pcie
@@ -188,7 +195,7 @@ def agent_bytes(shape: Shape, config: str, tokens: int, sinks: int = 0, recent: 
     if config == "sparse":
         hot = max(64, math.ceil(hot_fraction * (hot_tokens if hot_tokens is not None else tokens)))
         gpu = {"sketch": padded * shape.sketch_per_token, "slot_map": slot_bytes * shape.attn_layers * padded,
-               "resident": (sinks + max(recent, 1)) * shape.kv_per_token, "hot": hot * shape.hot_row,
+               "resident": (sinks + max(recent, 1)) * shape.kv_per_token, "hot": hot * shape.hot_row(host_format),
                "gdn_state": shape.gdn_state}
         host = padded * shape.host_per_token(host_format)
     elif config == "dense":

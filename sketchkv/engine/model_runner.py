@@ -281,7 +281,7 @@ class ModelRunner:
         if num_blocks < 2:
             raise CapacityError(f"host tier budget {host_budget / 2**30:.3f} GiB holds no KV block "
                                 f"({host_per_block} B per block of {self.block_size} tokens; raise sparse_host_budget_gb)")
-        row = hot_row_bytes(L, c.num_kv_heads, c.head_dim, self.dtype)
+        row = hot_row_bytes(L, c.num_kv_heads, c.head_dim, sp.host_format)
         ring = sp.recent_tokens + self.cfg.num_speculative_tokens  # HostTier.ring: verification rows read back
         fixed = HostTier.fixed_gpu_bytes(L, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype,
                                          sp.sink_tokens, ring, self.num_state_slots) \

@@ -117,10 +117,11 @@ class Scheduler:
         """Draft tokens to verify after seq's last token this step (0: plain decode)."""
         if not self.num_spec or not seq.spec_ready:
             return 0
-        p = seq.params
+        # Not cut at max_tokens: tokens past it (or past a stop) are dropped when emitted, and a step whose
+        # every sequence verifies exactly n drafts replays a verification graph, where one sequence near its
+        # end with fewer would send the whole batch down the eager path (a quarter of the steps of 8 x 128
+        # tokens at n = 7: 873 tok/s against 4,783 without speculation, H200 run 23).
         k = min(self.num_spec, self.cfg.max_model_len - len(seq), budget - 1)
-        if p.max_tokens is not None:  # the step emits up to k + 1 tokens
-            k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
         return k if k > 0 and self.blocks.can_grow(seq, len(seq) + k) else 0
 
     # ---- prefix cache --------------------------------------------------------------------------

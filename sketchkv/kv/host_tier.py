@@ -13,13 +13,16 @@ Owns, for the tiered layers (every full-attention layer, numbered 0..L-1 in mode
             Rr = R + ring_extra: with n draft rows per sequence in a verification step, row i reads
             its own last R tokens, which reach n positions below the step's last R (ring_extra = n).
   hot       HotBuffer: picked rows, one partition per sequence (hot_fraction of its tokens),
-            windowed CLOCK; keyed by host slot, so prefix-shared blocks hit across sequences.
+            windowed CLOCK; keyed by host slot, so prefix-shared blocks hit across sequences. Its
+            rows are host records (the store's format and row layout): at int4 a hot row costs 1,088 B
+            per layer instead of 4 KiB of bf16 K/V (27B shape), and hits and misses dequantise alike.
 
-One decode step of layer l (`gather`, then attention, then `hot.admit`; no host sync, fixed shapes):
+One decode step of layer l (`gather`, then attention, then `admit`; no host sync, fixed shapes):
   selected positions -> sinks / recent tail from `resident`, picks -> host slots -> hot lookup ->
-  hits from the hot pool, misses read from pinned host memory by the zero-copy gather (sorted by
-  address) -> one compact [B, N, Hkv, D] K/V scratch in selection order, which the existing
-  paged decode kernel reads as a paged cache (block size 16, seq_len = count).
+  hits read from the hot pool, misses from pinned host memory by the zero-copy gather (sorted by
+  address; it also keeps their records for the admit), both dequantised by the same kernel -> one
+  compact [B, N, Hkv, D] K/V scratch in selection order, which the existing paged decode kernel
+  reads as a paged cache (block size 16, seq_len = count).
 
 Prefill: a chunk whose sequence has cached tokens (chunked prefill, prefix-cache hit) reads those
 tokens back from the host tier into a transient GPU buffer (one layer at a time), i.e. attends over
@@ -39,6 +42,8 @@ import torch
 from sketchkv.errors import CapacityError
 from sketchkv.kv.host_store import HostKVStore, TierStats, positions_to_slots
 from sketchkv.kv.hot_buffer import HotBuffer
+from sketchkv.ops.host_gather import host_gather
+from sketchkv.ops.quant_kv import head_record_bytes
 from sketchkv.ops.tier_gather import compose_rows
 
 SENTINEL = torch.iinfo(torch.int32).max
@@ -57,9 +62,9 @@ def available_host_bytes() -> int:
     return 8 * 2**30
 
 
-def hot_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """GPU bytes of one hot-pool row over all layers (K + V + key + bit)."""
-    return num_layers * (2 * num_kv_heads * head_dim * dtype.itemsize + 8 + 1)
+def hot_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, fmt: str) -> int:
+    """GPU bytes of one hot-pool row over all layers (a host record of format fmt + key + bit)."""
+    return HotBuffer.bytes_per_row(num_layers, num_kv_heads * head_record_bytes(fmt, head_dim))
 
 
 class HostTier:
@@ -77,12 +82,11 @@ class HostTier:
                                  pin=device.type == "cuda", device=device)
         n_res = num_state_slots * self.width + 1
         self.dump_row = n_res - 1
-        self.hot = HotBuffer(num_layers, self.store.num_slots, pool_rows, num_kv_heads, head_dim, dtype, device,
+        self.hot = HotBuffer(num_layers, self.store.num_slots, pool_rows, (self.store.row_bytes,), torch.uint8, device,
                              fraction=hot_fraction, min_rows=min(64, pool_rows), max_seqs=num_state_slots + 1,
-                             extra_rows=n_res, kernel=kernel)
-        # resident rows after the hot pool's, in its tensors: a step's rows come from either in one gather
-        self.res_base = pool_rows + 1
-        self.res_k, self.res_v = self.hot.rows_k[:, self.res_base:], self.hot.rows_v[:, self.res_base:]
+                             kernel=kernel)
+        self.res_k = torch.zeros(num_layers, n_res, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.res_v = torch.zeros_like(self.res_k)
         self.pad_pid = self.hot.add_sequence(rows=0)    # CUDA-graph padding rows: an empty partition
         self.max_part_rows = max(1, min(pool_rows, self.hot.rows_for(max_model_len)))
         self.selector_bytes_per_block = selector_bytes_per_block  # the layers' selector state (sketch | QSA keys)
@@ -195,18 +199,25 @@ class HostTier:
     def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, state_slots: torch.Tensor):
         """pos [B, N] selected positions (ascending, SENTINEL-padded; the first counts[b] valid) ->
-        k, v [B, Np, Hkv, D] (Np = N rounded up to ATTN_BLOCK; row j: position pos[b, j]) and miss
-        keys [B, Np] (host slot of each row read from host memory, -1 elsewhere: what to admit)."""
+        k, v [B, Np, Hkv, D] (Np = N rounded up to ATTN_BLOCK; row j: position pos[b, j]), miss
+        keys [B, Np] (host slot of each row read from host memory, -1 elsewhere: what to admit) and
+        their host records [B, Np, row_bytes] (miss rows only)."""
         B, N = pos.shape
         Np = -(-N // ATTN_BLOCK) * ATTN_BLOCK
-        k, v, miss = compose_rows(pos, counts, seq_lens, state_slots, block_tables, self.hot.map[layer],
-                                  self.hot.ref[layer], self.hot.rows_k[layer], self.hot.rows_v[layer],
-                                  self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent,
-                                  ring=self.ring, width=self.width, block_size=self.block_size,
-                                  res_base=self.res_base, dump_row=self.dump_row, Np=Np)
-        self.store.gather(layer, miss.flatten(), k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D),
-                          sort=True)
-        return k, v, miss
+        k, v, miss, hit = compose_rows(pos, counts, seq_lens, state_slots, block_tables, self.hot.map[layer],
+                                       self.hot.ref[layer], self.res_k[layer], self.res_v[layer],
+                                       self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent,
+                                       ring=self.ring, width=self.width, block_size=self.block_size,
+                                       dump_row=self.dump_row, Np=Np)
+        kf, vf = k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D)
+        rec = torch.empty(B * Np, self.store.row_bytes, dtype=torch.uint8, device=k.device)
+        self.store.gather(layer, miss.flatten(), kf, vf, sort=True, raw=rec)
+        host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
+        return k, v, miss, rec.view(B, Np, -1)
+
+    def admit(self, layer: int, pids, miss: torch.Tensor, records: torch.Tensor, graph: bool = False) -> torch.Tensor:
+        """After the step's attention: the misses (gather's miss keys and records) into the hot buffer."""
+        return self.hot.admit(layer, pids, miss, records, max_cap=self.max_part_rows if graph else None)
 
     # ---- accounting ---------------------------------------------------------------------------------
     def stats(self) -> TierStats:

@@ -1,13 +1,16 @@
 """GPU hot buffer of the host tier: recently picked K/V rows, per sequence, windowed CLOCK replacement.
 
-Pool: k, v [num_layers, P + 1, Hkv, D] on the GPU (row P is a dump row that absorbs masked writes).
+Pool: rows [num_layers, P + 1, *row_shape] on the GPU (row P is a dump row that absorbs masked writes).
+The host tier keeps its rows there as stored in host RAM (uint8 records of the host format: 1,088 B per
+token and layer at int4 for 4 KV heads x 256, a quarter of the bf16 K/V), so a hit is read and
+dequantised by the same gather kernel as a miss, and admitting a miss copies its record.
 Each sequence owns a contiguous *partition* of the P rows, sized as a fraction of its tokens
 (default 2.5%), the same in every layer. Rows are keyed by host slot (block * block_size + offset,
 the HostKVStore / GPU-cache slot): `map[layer, slot]` -> pool row or -1, so one fixed-shape GPU
 table serves the whole batch and prefix-shared blocks are found by every sequence that shares them
 (a hit may land in another sequence's partition; rows are only *placed* into one's own).
 
-GPU memory: the pool rows (2 x Hkv x D x dtype per layer and row), plus the map, 2 B per layer and
+GPU memory: the pool rows (row_shape x dtype per layer and row), plus the map, 2 B per layer and
 host slot while the pool has at most 32767 rows (int16), else 4 B (64 B per host token for 16 layers:
 ~16 MB per 250K-token agent).
 
@@ -16,7 +19,7 @@ clock `hand` and `used` (rows filled so far; a partition fills in row order befo
 
 One decode step of one layer (batched over sequences, no host sync, fixed shapes):
   lookup(layer, keys [B, N])           -> pool rows [B, N] (-1: miss); sets the reference bit of hits
-  admit(layer, pids, keys, src_k, src_v) places misses, copies their rows in, returns the rows
+  admit(layer, pids, keys, src)        places misses, copies their rows in, returns the rows
 Semantics of admit, for each sequence (its misses in order, deduplicated over the batch):
   1. the first (capacity - used) misses fill the free rows in row order;
   2. the rest go through windowed CLOCK over the rows that were resident when the step began,
@@ -49,25 +52,21 @@ MAX_INT16_ROWS = torch.iinfo(torch.int16).max  # pools up to this many rows map 
 
 
 class HotBuffer:
-    def __init__(self, num_layers: int, num_host_slots: int, capacity_rows: int, num_kv_heads: int,
-                 head_dim: int, dtype=torch.bfloat16, device="cpu", *, fraction: float = 0.025,
-                 window: int = 16, min_rows: int = 64, max_seqs: int = 256, extra_rows: int = 0,
-                 kernel: str = "torch"):
+    def __init__(self, num_layers: int, num_host_slots: int, capacity_rows: int, row_shape: tuple[int, ...],
+                 dtype=torch.uint8, device="cpu", *, fraction: float = 0.025, window: int = 16,
+                 min_rows: int = 64, max_seqs: int = 256, kernel: str = "torch"):
         """num_host_slots: HostKVStore.num_slots (keys are < this). capacity_rows: P, the pool size
-        shared by all sequences. fraction / min_rows: a sequence of n tokens gets
-        max(min_rows, ceil(fraction * n)) rows. window: W of windowed CLOCK. extra_rows: rows the
-        caller keeps after the pool's in the same tensors (`rows_k` / `rows_v`), so that one index
-        reads a pool row or one of its own (the host tier's sinks and recent ring)."""
+        shared by all sequences. row_shape / dtype: one pool row (the host tier: (row_bytes,) uint8,
+        a host record). fraction / min_rows: a sequence of n tokens gets max(min_rows, ceil(fraction * n))
+        rows. window: W of windowed CLOCK."""
         assert window >= 1
         self.L, self.S, self.P = num_layers, num_host_slots, capacity_rows
-        self.Hkv, self.D, self.dtype = num_kv_heads, head_dim, dtype
+        self.row_shape, self.dtype = tuple(row_shape), dtype
         self.device = torch.device(device)
         self.fraction, self.window, self.min_rows = fraction, window, min_rows
         self.kernel = kernel  # admit: "torch" (this file) | "triton" (sketchkv/ops/clock_admit.py, one kernel)
         dev, L, P = self.device, num_layers, capacity_rows
-        self.rows_k = torch.zeros(L, P + 1 + extra_rows, num_kv_heads, head_dim, dtype=dtype, device=dev)
-        self.rows_v = torch.zeros_like(self.rows_k)
-        self.k, self.v = self.rows_k[:, :P + 1], self.rows_v[:, :P + 1]   # the pool (views)
+        self.rows = torch.zeros(L, P + 1, *self.row_shape, dtype=dtype, device=dev)
         # 2 B per host slot while pool rows fit int16 (the seed's "2-byte slot"), else 4 B
         map_dtype = torch.int16 if P <= MAX_INT16_ROWS else torch.int32
         self.map = torch.full((L, num_host_slots + 1), -1, dtype=map_dtype, device=dev)  # [.., S]: dump
@@ -96,14 +95,18 @@ class HotBuffer:
     def rows_for(self, num_tokens: int) -> int:
         return max(self.min_rows, math.ceil(self.fraction * num_tokens))
 
+    @staticmethod
+    def bytes_per_row(num_layers: int, row_bytes: int) -> int:
+        """GPU bytes of one pool row over all layers: its data, key (8 B) and reference bit (1 B)."""
+        return num_layers * (row_bytes + 8 + 1)
+
     @property
     def row_bytes(self) -> int:
-        """GPU bytes of one pool row over all layers (K + V) plus its key and bit."""
-        return self.L * (2 * self.Hkv * self.D * self.k.element_size() + 8 + 1)
+        return self.bytes_per_row(self.L, self.rows[0, 0].numel() * self.rows.element_size())
 
     @property
     def gpu_bytes(self) -> int:
-        t = (self.k, self.v, self.map, self.key, self.ref, self.hand, self.used, self.part_base, self.part_cap)
+        t = (self.rows, self.map, self.key, self.ref, self.hand, self.used, self.part_base, self.part_cap)
         return sum(x.numel() * x.element_size() for x in t)
 
     def seq_bytes(self, pid: int) -> int:
@@ -193,10 +196,10 @@ class HotBuffer:
         self.counters.add("misses", (valid & ~hit).sum())
         return rows
 
-    def admit(self, layer: int, pids, keys: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor,
+    def admit(self, layer: int, pids, keys: torch.Tensor, src: torch.Tensor,
               max_cap: int | None = None) -> torch.Tensor:
         """Place the misses keys [B, N] (host slots, < 0 = nothing) of sequences pids [B] (list or
-        device tensor) and copy their rows src_k/src_v [B, N, Hkv, D] in. Returns pool rows [B, N]
+        device tensor) and copy their rows src [B, N, *row_shape] in. Returns pool rows [B, N]
         (-1: not admitted: no pick, already resident, a duplicate, or no room this step).
         max_cap: bound on the partitions' capacity for the PyTorch admit's shapes (default: the largest live
         one; pass a constant when capturing a graph)."""
@@ -222,9 +225,8 @@ class HotBuffer:
                 dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
             return clock_admit.clock_admit_triton(torch.where(valid, keys, -1), pid_t, self.part_base, self.part_cap,
                                                   self.hand[layer], self.used[layer], self.ref[layer],
-                                                  self.key[layer], self.map[layer], src_k.to(dev, self.dtype),
-                                                  src_v.to(dev, self.dtype), self.k[layer], self.v[layer],
-                                                  self.window)
+                                                  self.key[layer], self.map[layer], src.to(dev, self.dtype),
+                                                  self.rows[layer], self.window)
         # the lap's static width (the Triton kernel's lap ends at `used` instead)
         if max_cap is not None:
             C = max_cap
@@ -285,8 +287,7 @@ class HotBuffer:
         self.map[layer].narrow(0, self.dump_key, 1).fill_(-1)
         self.key[layer, r] = torch.where(placed.flatten(), keys.flatten(), -1)
         self.ref[layer].index_fill_(0, r.flatten(), 0)
-        self.k[layer, r] = src_k.reshape(B * N, self.Hkv, self.D).to(dev, self.dtype)
-        self.v[layer, r] = src_v.reshape(B * N, self.Hkv, self.D).to(dev, self.dtype)
+        self.rows[layer, r] = src.reshape(B * N, *self.row_shape).to(dev, self.dtype)
         return rows
 
     def stats(self) -> TierStats:

@@ -14,7 +14,7 @@ recent ring.
 Decode (every step, any context length: when the selection covers the context the picks are every
 token, so this is also the dense path): select -> tier.gather (sinks and tail from the resident
 rows, picks from the hot buffer or, on a miss, straight from pinned host memory) into a compact K/V
-scratch -> the paged decode kernel over that scratch -> admit the misses to the hot buffer. Fixed
+scratch -> the paged decode kernel over that scratch -> admit the misses' host records to the hot buffer. Fixed
 shapes and no host sync: CUDA-graph capturable. In a speculative verification step each row of a
 sequence (its token and its drafts) selects and reads for its own position.
 
@@ -50,7 +50,7 @@ class TieredKV:
         max_len = block_tables.shape[1] * self.tier.block_size if graph else max_seq_len
         idx, counts = self.select(self.selection_query(q), block_tables, seq_lens, max_len)
         self.last_indices = (idx, counts)
-        k, v, miss = self.tier.gather(self.layer, idx[:, 0], counts, block_tables, seq_lens, state_slots)
+        k, v, miss, records = self.tier.gather(self.layer, idx[:, 0], counts, block_tables, seq_lens, state_slots)
         B, Np = miss.shape
         nb = Np // ATTN_BLOCK
         tables = (torch.arange(B, device=q.device, dtype=torch.int32)[:, None] * nb
@@ -65,7 +65,7 @@ class TieredKV:
             # copy, which a CUDA-graph capture refuses (H200 run 17: verification graphs fell back to eager)
             first = torch.zeros(B, dtype=torch.bool, device=q.device).index_fill_(0, ctx.verify_leaders, True)
             miss = torch.where(first[:, None], miss, -1)
-        self.tier.hot.admit(self.layer, pids, miss, k, v, max_cap=self.tier.max_part_rows if graph else None)
+        self.tier.admit(self.layer, pids, miss, records, graph)
         return out
 
 

@@ -11,8 +11,8 @@ one program per sequence of the batch walks its partition:
      their bit (all of them when the lap runs out); hand and used advance;
   C. installs: a victim's old key leaves the map (only where the map still points at it), the new key
      enters, the row's key and bit are set.
-A second kernel, one program per (sequence, tile of rows), copies the admitted rows' K/V from the step's
-scratch into the pool.
+A second kernel, one program per (sequence, tile of rows), copies the admitted rows (the host tier: the
+misses' host records, as its gather kept them) from the step's scratch into the pool.
 Deduplication over the batch (a prefix-shared miss admitted once) and the "not already resident"
 filter stay in PyTorch before the kernel (`HotBuffer.admit_candidates`).
 Interpreter-tested against the PyTorch admit; GPU-tested (runs 13, 16); measured in run 17 (0.85 ms per
@@ -90,7 +90,7 @@ if triton is not None:
         tl.store(hand_ptr + pid, new_hand)
         tl.store(used_ptr + pid, used + tl.minimum(M, n_free))
         tl.debug_barrier()
-        # C. installs (the K/V row copies are a second, fully parallel kernel: _copy_rows_kernel)
+        # C. installs (the row copies are a second, fully parallel kernel: _copy_rows_kernel)
         for t in range(0, N, TN):
             j = t + tl.arange(0, TN)
             r = tl.load(rows_ptr + b * N + j, mask=j < N, other=-1)
@@ -105,37 +105,43 @@ if triton is not None:
             tl.store(ref_ptr + r, tl.zeros([TN], tl.uint8), mask=ok)
 
     @triton.jit
-    def _copy_rows_kernel(rows_ptr, srck_ptr, srcv_ptr, poolk_ptr, poolv_ptr, N, HD: tl.constexpr, TR: tl.constexpr):
-        # program (b, tile): TR of sequence b's admitted rows, scratch -> pool. One program per sequence
-        # copying all of them took 61.5 ms per 27B step at 8 x 250K against torch's 52.0 (run 15): 8 programs
-        # cannot move ~100 MB per layer; this grid spreads the copies over the whole GPU.
+    def _copy_rows_kernel(rows_ptr, src_ptr, pool_ptr, N, RW: tl.constexpr, RW_PAD: tl.constexpr, TR: tl.constexpr):
+        # program (b, tile): TR of sequence b's admitted rows (RW elements each), scratch -> pool. One
+        # program per sequence copying all of them took 61.5 ms per 27B step at 8 x 250K against torch's
+        # 52.0 (run 15): 8 programs cannot move ~100 MB per layer; this grid spreads the copies out.
         b = tl.program_id(0)
         j = tl.program_id(1) * TR + tl.arange(0, TR)
         r = tl.load(rows_ptr + b * N + j, mask=j < N, other=-1)
-        ok = r >= 0
-        e = tl.arange(0, HD)
-        src = (b * N + j).to(tl.int64)[:, None] * HD + e[None, :]
-        dst = r[:, None] * HD + e[None, :]
-        tl.store(poolk_ptr + dst, tl.load(srck_ptr + src, mask=ok[:, None]), mask=ok[:, None])
-        tl.store(poolv_ptr + dst, tl.load(srcv_ptr + src, mask=ok[:, None]), mask=ok[:, None])
+        e = tl.arange(0, RW_PAD)
+        ok = (r >= 0)[:, None] & (e < RW)[None, :]
+        src = (b * N + j).to(tl.int64)[:, None] * RW + e[None, :]
+        tl.store(pool_ptr + r[:, None] * RW + e[None, :], tl.load(src_ptr + src, mask=ok), mask=ok)
 
 
-def clock_admit_triton(keys, pids, part_base, part_cap, hand, used, ref, key, hot_map, src_k, src_v, pool_k, pool_v,
+def _words(x: torch.Tensor, lead: int) -> torch.Tensor:
+    """x [*lead dims, row...] contiguous -> [*lead, row elements] as int32 words when the row's bytes allow
+    (16-byte vector copies of uint8 host records), else in its own dtype."""
+    flat = x.reshape(*x.shape[:lead], -1)
+    return flat.view(torch.int32) if flat.shape[-1] * flat.element_size() % 4 == 0 else flat
+
+
+def clock_admit_triton(keys, pids, part_base, part_cap, hand, used, ref, key, hot_map, src, pool,
                        window: int) -> torch.Tensor:
     """keys [B, N] int64: the misses to admit (deduplicated, not resident; -1 elsewhere); pids [B] int64;
     hand / used: the layer's [max_seqs] rows; ref / key: the layer's [P + 1]; hot_map: the layer's map;
-    src_k / src_v [B, N, Hkv, D]; pool_k / pool_v: the layer's [rows, Hkv, D]. -> pool rows [B, N] (-1: not
+    src [B, N, *row]: the misses' rows; pool: the layer's [P + 1, *row]. -> pool rows [B, N] (-1: not
     admitted). Updates the partitions' hand / used, bits, keys, map and rows in place."""
     B, N = keys.shape
-    HD = src_k.shape[-1] * src_k.shape[-2]
-    assert HD & (HD - 1) == 0, "Hkv * head_dim must be a power of two"
+    assert pool.is_contiguous() and pool.dtype == src.dtype and pool.shape[1:] == src.shape[2:]
     rows = torch.empty(B, N, dtype=torch.int64, device=keys.device)
     misspos = torch.zeros(B, N, dtype=torch.int32, device=keys.device)
     if N == 0 or B == 0:
         return rows
     _clock_admit_kernel[(B,)](keys.contiguous(), pids, part_base, part_cap, hand, used, ref, key, hot_map, rows, misspos,
                               N=N, W=window, TN=triton.next_power_of_2(min(max(N, 16), 1024)), TC=1024)
-    TR = max(1, 4096 // HD)
-    _copy_rows_kernel[(B, triton.cdiv(N, TR))](rows, src_k.contiguous(), src_v.contiguous(), pool_k, pool_v, N,
-                                              HD=HD, TR=TR)
+    src_w, pool_w = _words(src.contiguous(), 2), _words(pool, 1)
+    RW = src_w.shape[-1]
+    RW_PAD = triton.next_power_of_2(RW)
+    TR = max(1, 4096 // RW_PAD)
+    _copy_rows_kernel[(B, triton.cdiv(N, TR))](rows, src_w, pool_w, N, RW=RW, RW_PAD=RW_PAD, TR=TR)
     return rows

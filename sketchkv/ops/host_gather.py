@@ -37,7 +37,7 @@ except ImportError:  # CPU-only install: reference path only
     triton = None
 
 
-def _check(src, rows, dst_k, dst_v, fmt, dst_rows):
+def _check(src, rows, dst_k, dst_v, fmt, dst_rows, raw=None):
     assert fmt in FORMATS, fmt
     M, Hkv, D = dst_k.shape
     assert dst_v.shape == dst_k.shape and dst_k.stride(-1) == 1 and dst_v.stride(-1) == 1
@@ -47,18 +47,24 @@ def _check(src, rows, dst_k, dst_v, fmt, dst_rows):
     assert rows.dim() in (1, 2) and (rows.dim() == 1 or rows.shape[0] == Hkv), "rows: [N] or [Hkv, N]"
     if dst_rows is not None:
         assert dst_rows.shape == rows.shape
+    if raw is not None:
+        assert rows.dim() == 1, "raw records: shared picks only"
+        assert raw.dtype == torch.uint8 and raw.shape == (M, Hkv * hb) and raw.is_contiguous(), \
+            f"raw must be uint8 [{M}, {Hkv * hb}] contiguous"
     return Hkv, D, hb
 
 
 # ---- reference ------------------------------------------------------------------------------------
 
-def host_gather_ref(src, rows, dst_k, dst_v, fmt: str, dst_rows=None):
+def host_gather_ref(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, raw=None):
     """Dequantise host rows into dst_k/dst_v [M, Hkv, D] (PyTorch; reads src from wherever it is).
 
     rows [N]: shared picks, every KV head of row rows[i] goes to dst[dst_rows[i]];
     rows [Hkv, N]: per-KV-head picks, head h of row rows[h, i] goes to dst[dst_rows[h, i], h].
-    dst_rows defaults to arange(N) (per head too). Entries with rows < 0 are skipped."""
-    Hkv, D, hb = _check(src, rows, dst_k, dst_v, fmt, dst_rows)
+    dst_rows defaults to arange(N) (per head too). Entries with rows < 0 are skipped.
+    raw (shared picks only): uint8 [M, row_bytes] that also gets each picked row's record as stored,
+    raw[dst_rows[i]] = src[rows[i]] (the host tier admits misses to its GPU hot pool in host format)."""
+    Hkv, D, hb = _check(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
     if dst_rows is None:
         dst_rows = torch.arange(rows.shape[-1], device=rows.device).expand_as(rows)
     per_head = rows.dim() == 2
@@ -68,6 +74,8 @@ def host_gather_ref(src, rows, dst_k, dst_v, fmt: str, dst_rows=None):
         ok = r >= 0
         r, d = r[ok].long().to(src.device), d[ok].long().to(dst_k.device)
         rec = src[r].view(-1, Hkv, hb)
+        if raw is not None:
+            raw[d.to(raw.device)] = rec.reshape(-1, Hkv * hb).to(raw.device)
         if per_head:
             k, v = unpack_kv(rec[:, h], fmt, D)
             dst_k[d, h] = k.to(dst_k.device, dst_k.dtype)
@@ -94,12 +102,13 @@ if triton is not None:
 
     @triton.jit
     def _host_gather_kernel(
-        data_ptr, scale_ptr, rows_ptr, drows_ptr, dk_ptr, dv_ptr, n,
+        data_ptr, scale_ptr, rows_ptr, drows_ptr, dk_ptr, dv_ptr, rawd_ptr, raws_ptr, n,
         stride_rh, stride_dh, stride_km, stride_kh, stride_vm, stride_vh,
         FMT: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
         ROW_BYTES: tl.constexpr, HEAD_BYTES: tl.constexpr, ROWS: tl.constexpr,
-        PER_HEAD: tl.constexpr, HAS_DROWS: tl.constexpr,
+        PER_HEAD: tl.constexpr, HAS_DROWS: tl.constexpr, RAW: tl.constexpr,
     ):
+        # RAW: also store each record as read (same views as data/scale) at its destination row
         pid = tl.program_id(0)
         i = pid * ROWS + tl.arange(0, ROWS)
         if PER_HEAD:  # HP == 1: this program's KV head
@@ -129,6 +138,12 @@ if triton is not None:
             vw = tl.load(data_ptr + wb + D // 8, mask=m3, other=0)
             g = tl.arange(0, 2 * NG)  # K then V scales, after the D code bytes: one 4*NG-byte load
             sc = tl.load(scale_ptr + (rec2 + D // 2)[:, :, None] + g[None, None, :], mask=m3, other=0.0)
+            if RAW:
+                wr = (dr[:, None] * (ROW_BYTES // 4) + heads[None, :] * (HEAD_BYTES // 4))[:, :, None] + w[None, None, :]
+                tl.store(rawd_ptr + wr, kw, mask=m3)
+                tl.store(rawd_ptr + wr + D // 8, vw, mask=m3)
+                sr = (dr[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2) + D // 2)[:, :, None]
+                tl.store(raws_ptr + sr + g[None, None, :], sc, mask=m3)
             ks, vs = tl.split(tl.permute(tl.reshape(sc.to(tl.float32), [ROWS, HP, 2, NG]), (0, 1, 3, 2)))
             sh = tl.arange(0, 8) * 4
             kq = (((kw[:, :, :, None] >> sh[None, None, None, :]) & 15) - 8).to(tl.float32)
@@ -138,16 +153,29 @@ if triton is not None:
         elif FMT == 1:  # int8 codes, one fp16 scale each for K and V after them
             rec1 = r[:, None] * ROW_BYTES + heads[None, :] * HEAD_BYTES
             db = rec1[:, :, None] + d[None, None, :]
-            kq = tl.load(data_ptr + db, mask=m3, other=0).to(tl.float32)
-            vq = tl.load(data_ptr + db + D, mask=m3, other=0).to(tl.float32)
-            ks = tl.load(scale_ptr + rec2 + D, mask=m2, other=0.0).to(tl.float32)
-            vs = tl.load(scale_ptr + rec2 + D + 1, mask=m2, other=0.0).to(tl.float32)
-            k = kq * ks[:, :, None]
-            v = vq * vs[:, :, None]
+            kq = tl.load(data_ptr + db, mask=m3, other=0)
+            vq = tl.load(data_ptr + db + D, mask=m3, other=0)
+            ks = tl.load(scale_ptr + rec2 + D, mask=m2, other=0.0)
+            vs = tl.load(scale_ptr + rec2 + D + 1, mask=m2, other=0.0)
+            if RAW:
+                wr = (dr[:, None] * ROW_BYTES + heads[None, :] * HEAD_BYTES)[:, :, None] + d[None, None, :]
+                tl.store(rawd_ptr + wr, kq, mask=m3)
+                tl.store(rawd_ptr + wr + D, vq, mask=m3)
+                sr = dr[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2) + D
+                tl.store(raws_ptr + sr, ks, mask=m2)
+                tl.store(raws_ptr + sr + 1, vs, mask=m2)
+            k = kq.to(tl.float32) * ks.to(tl.float32)[:, :, None]
+            v = vq.to(tl.float32) * vs.to(tl.float32)[:, :, None]
         else:  # bf16
             db = rec2[:, :, None] + d[None, None, :]
-            k = tl.load(data_ptr + db, mask=m3, other=0.0).to(tl.float32)
-            v = tl.load(data_ptr + db + D, mask=m3, other=0.0).to(tl.float32)
+            kb = tl.load(data_ptr + db, mask=m3, other=0.0)
+            vb = tl.load(data_ptr + db + D, mask=m3, other=0.0)
+            if RAW:
+                wr = (dr[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2))[:, :, None] + d[None, None, :]
+                tl.store(rawd_ptr + wr, kb, mask=m3)
+                tl.store(rawd_ptr + wr + D, vb, mask=m3)
+            k = kb.to(tl.float32)
+            v = vb.to(tl.float32)
         ko = dk_ptr + dr[:, None, None] * stride_km + heads[None, :, None] * stride_kh + d[None, None, :]
         vo = dv_ptr + dr[:, None, None] * stride_vm + heads[None, :, None] * stride_vh + d[None, None, :]
         tl.store(ko, k.to(dk_ptr.dtype.element_ty), mask=m3)
@@ -179,9 +207,18 @@ def default_rows_per_program(heads: int, head_dim: int) -> int:
     return triton.next_power_of_2(max(1, min(64, 4096 // (heads * head_dim))))
 
 
-def host_gather_triton(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, rows_per_program=None,
+def _views(buf, fmt):
+    """(codes, scales) views of uint8 rows, the element types the kernel reads them as."""
+    if fmt == "int4":
+        return buf.view(torch.int32), buf.view(torch.float16)
+    if fmt == "int8":
+        return buf.view(torch.int8), buf.view(torch.float16)
+    return buf.view(torch.bfloat16), buf.view(torch.bfloat16)
+
+
+def host_gather_triton(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, raw=None, *, rows_per_program=None,
                        num_warps=4):
-    Hkv, D, hb = _check(src, rows, dst_k, dst_v, fmt, dst_rows)
+    Hkv, D, hb = _check(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
     assert D & (D - 1) == 0 and D >= 16, "head_dim must be a power of two >= 16"
     assert rows.stride(-1) == 1 and (dst_rows is None or dst_rows.stride(-1) == 1)
     if dst_k.is_cuda and not torch.cuda.is_current_stream_capturing():
@@ -193,31 +230,28 @@ def host_gather_triton(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, rows
     HP = 1 if per_head else triton.next_power_of_2(Hkv)
     ROWS = rows_per_program or default_rows_per_program(HP, D)
     assert ROWS & (ROWS - 1) == 0, "rows_per_program must be a power of two"
-    if fmt == "int4":
-        data, scale = src.view(torch.int32), src.view(torch.float16)
-    elif fmt == "int8":
-        data, scale = src.view(torch.int8), src.view(torch.float16)
-    else:
-        data = scale = src.view(torch.bfloat16)
+    data, scale = _views(src, fmt)
+    raw_data, raw_scale = _views(raw, fmt) if raw is not None else (data, scale)  # dummies when absent
     drows = dst_rows if dst_rows is not None else rows  # dummy pointer when absent
     grid = (triton.cdiv(N, ROWS), Hkv if per_head else 1)
     _host_gather_kernel[grid](
-        data, scale, rows, drows, dst_k, dst_v, N,
+        data, scale, rows, drows, dst_k, dst_v, raw_data, raw_scale, N,
         rows.stride(0) if per_head else 0, drows.stride(0) if per_head else 0,
         dst_k.stride(0), dst_k.stride(1), dst_v.stride(0), dst_v.stride(1),
         FMT=_FMT_ID[fmt], HKV=Hkv, HP=HP, D=D, NG=D // group_size(D) if fmt == "int4" else 1,
         ROW_BYTES=Hkv * hb, HEAD_BYTES=hb, ROWS=ROWS, PER_HEAD=per_head, HAS_DROWS=dst_rows is not None,
-        num_warps=num_warps,
+        RAW=raw is not None, num_warps=num_warps,
     )
     return dst_k, dst_v
 
 
-def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, sort: bool = False, **kw):
+def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, sort: bool = False, **kw):
     """Read host rows `rows` of `src` (one layer's uint8 rows) into dst_k/dst_v [M, Hkv, D].
 
     rows [N] (one pick per token, all KV heads) or [Hkv, N] (per-KV-head picks), int32/int64,
     entries < 0 skipped; dst_rows (same shape, default arange(N)): where each pick lands in dst
-    (a per-step scratch, or hot-buffer slots). sort=True orders the picks by address first (on the
+    (a per-step scratch, or hot-buffer slots). raw (shared picks): uint8 [M, row_bytes] that also
+    receives each pick's record as stored (see host_gather_ref). sort=True orders the picks by address first (on the
     device, no sync). Triton on CUDA (src pinned or on the GPU) and under TRITON_INTERPRET=1; the
     reference otherwise. kw: rows_per_program, num_warps (kernel knobs)."""
     if sort:
@@ -229,8 +263,8 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, sort: bool 
             dst_rows = dst_rows.gather(-1, perm)
         dst_rows = dst_rows.contiguous()
     if _use_triton(dst_k):
-        return host_gather_triton(src, rows.contiguous(), dst_k, dst_v, fmt, dst_rows, **kw)
-    return host_gather_ref(src, rows, dst_k, dst_v, fmt, dst_rows)
+        return host_gather_triton(src, rows.contiguous(), dst_k, dst_v, fmt, dst_rows, raw, **kw)
+    return host_gather_ref(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
 
 
 def host_scatter_rows_triton(dst, slots, src, *, rows_per_program=8, num_warps=4):

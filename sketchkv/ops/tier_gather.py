@@ -5,15 +5,16 @@ For each sequence b and scratch row j (position p = pos[b, j], the first counts[
   tail   p >= max(seq_len - recent, sinks) -> the resident ring slot * width + sinks + p % ring
          (ring >= recent: verification rows of one sequence share a ring of recent + drafts rows)
   pick   otherwise: host slot = block_tables[b, p // bs] * bs + p % bs, looked up in the hot map:
-         a hot row (hit: its reference bit is set) or a miss (miss[b, j] = the slot; the caller's
-         zero-copy gather fills the row from pinned host memory)
-Rows past counts[b] copy the resident dump row (never read by attention). The hot pool and the
-resident rows are one tensor per layer (`HotBuffer.rows_k/rows_v`: pool rows 0..P, then resident
-rows from `res_base`), so every non-miss row is one copy from it. Hit and miss counts are added to
-`counters` ([hits, misses, ...], int64 on the device).
+         a hot row (hit[b, j] = the pool row; its reference bit is set) or a miss (miss[b, j] = the
+         slot). The hot pool holds host-format records, so both are left to the caller's gathers
+         (sketchkv.ops.host_gather: from the GPU pool, and zero-copy from pinned host memory), which
+         dequantise them into the scratch.
+Sink and tail rows are copied from the resident rows (model dtype), rows past counts[b] from the
+resident dump row (never read by attention). Hit and miss counts are added to `counters`
+([hits, misses, ...], int64 on the device).
 
 `compose_rows_ref` is the PyTorch formulation (~20 small kernels); `compose_rows_triton` does the
-classification, the lookup and the copy in one kernel (one program per sequence and ROWS rows):
+classification, the lookup and the resident copies in one kernel (one program per sequence and ROWS rows):
 interpreter-tested against the reference, GPU-tested, the engine's default since H200 run 17
 (SparseConfig.tier_kernel).
 """
@@ -32,12 +33,12 @@ except ImportError:
 SENTINEL = torch.iinfo(torch.int32).max
 
 
-def compose_rows_ref(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v, counters,
-                     *, sinks: int, recent: int, ring: int, width: int, block_size: int, res_base: int,
-                     dump_row: int, Np: int):
+def compose_rows_ref(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, res_k, res_v, counters,
+                     *, sinks: int, recent: int, ring: int, width: int, block_size: int, dump_row: int, Np: int):
     """pos [B, N] ascending, SENTINEL-padded; hot_map [num_slots + 1] (the layer's; last entry: dump),
-    hot_ref [P + 1] uint8, rows_k / rows_v [P + 1 + n_res, Hkv, D] -> k, v [B, Np, Hkv, D] and miss [B, Np]
-    (host slot of each row to read from host memory, -1 elsewhere)."""
+    hot_ref [P + 1] uint8, res_k / res_v [n_res, Hkv, D] (the resident rows; dump_row among them) ->
+    k, v [B, Np, Hkv, D] (hit and miss rows not written), miss [B, Np] (host slot of each row to read
+    from host memory, -1 elsewhere) and hit [B, Np] (hot pool row to read, -1 elsewhere)."""
     B, N = pos.shape
     p = torch.nn.functional.pad(pos.long(), (0, Np - N), value=SENTINEL)
     dev = p.device
@@ -56,20 +57,18 @@ def compose_rows_ref(pos, counts, seq_lens, state_slots, block_tables, hot_map, 
     hot_ref.index_fill_(0, torch.where(hit, hot, hot_ref.shape[0] - 1).flatten(), 1)
     counters[0] += hit.sum()
     counters[1] += (pick & ~hit).sum()
-    src = torch.where(hit, hot, res_base + res)
     miss = torch.where(pick & ~hit, slots, -1)
-    return rows_k[src], rows_v[src], miss
+    return res_k[res], res_v[res], miss, torch.where(hit, hot, -1)
 
 
 if triton is not None:
 
     @triton.jit
     def _compose_rows_kernel(pos_ptr, counts_ptr, lens_ptr, sslot_ptr, bt_ptr, map_ptr, ref_ptr,
-                             rk_ptr, rv_ptr, ok_ptr, ov_ptr, miss_ptr, cnt_ptr,
+                             rk_ptr, rv_ptr, ok_ptr, ov_ptr, miss_ptr, hit_ptr, cnt_ptr,
                              N, Np, W, hot_dump, stride_pb, stride_btb,
                              SINKS: tl.constexpr, RECENT: tl.constexpr, RING: tl.constexpr, WIDTH: tl.constexpr,
-                             BS: tl.constexpr,
-                             RES_BASE: tl.constexpr, DUMP_ROW: tl.constexpr, HD: tl.constexpr, ROWS: tl.constexpr):
+                             BS: tl.constexpr, DUMP_ROW: tl.constexpr, HD: tl.constexpr, ROWS: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
         inside = j < Np
@@ -95,40 +94,41 @@ if triton is not None:
         tl.atomic_add(cnt_ptr, tl.sum(hit.to(tl.int64), 0))
         tl.atomic_add(cnt_ptr + 1, tl.sum(miss.to(tl.int64), 0))
         tl.store(miss_ptr + b * Np + j, tl.where(miss, slot, -1), mask=inside)
-        src = tl.where(hit, hot, RES_BASE + res)
+        tl.store(hit_ptr + b * Np + j, tl.where(hit, hot, -1), mask=inside)
         e = tl.arange(0, HD)
-        m = (inside & ~miss)[:, None]
+        m = (inside & ~miss & ~hit)[:, None]
         out = (b * Np + j).to(tl.int64)[:, None] * HD + e[None, :]
-        tl.store(ok_ptr + out, tl.load(rk_ptr + src[:, None] * HD + e[None, :], mask=m), mask=m)
-        tl.store(ov_ptr + out, tl.load(rv_ptr + src[:, None] * HD + e[None, :], mask=m), mask=m)
+        tl.store(ok_ptr + out, tl.load(rk_ptr + res[:, None] * HD + e[None, :], mask=m), mask=m)
+        tl.store(ov_ptr + out, tl.load(rv_ptr + res[:, None] * HD + e[None, :], mask=m), mask=m)
 
 
-def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v,
-                        counters, *, sinks: int, recent: int, ring: int, width: int, block_size: int, res_base: int,
+def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, res_k, res_v,
+                        counters, *, sinks: int, recent: int, ring: int, width: int, block_size: int,
                         dump_row: int, Np: int, rows_per_program: int = 16, num_warps: int = 4):
-    """As compose_rows_ref; miss rows are left for the caller's host gather (not copied)."""
+    """As compose_rows_ref (hit and miss rows are left for the caller's gathers)."""
     B, N = pos.shape
-    Hkv, D = rows_k.shape[1:]
+    Hkv, D = res_k.shape[1:]
     HD = Hkv * D
     assert HD & (HD - 1) == 0, "Hkv * head_dim must be a power of two"
-    assert rows_k.is_contiguous() and rows_v.is_contiguous(), "one layer's rows: [rows, Hkv, D] contiguous"
-    k = torch.empty(B, Np, Hkv, D, dtype=rows_k.dtype, device=rows_k.device)
+    assert res_k.is_contiguous() and res_v.is_contiguous(), "one layer's rows: [rows, Hkv, D] contiguous"
+    k = torch.empty(B, Np, Hkv, D, dtype=res_k.dtype, device=res_k.device)
     v = torch.empty_like(k)
-    miss = torch.empty(B, Np, dtype=torch.int64, device=rows_k.device)
+    miss = torch.empty(B, Np, dtype=torch.int64, device=res_k.device)
+    hit = torch.empty_like(miss)
     pos, tables = pos.contiguous(), block_tables.contiguous()
     grid = (B, triton.cdiv(Np, rows_per_program))
-    _compose_rows_kernel[grid](pos, counts, seq_lens, state_slots, tables, hot_map, hot_ref, rows_k, rows_v,
-                               k, v, miss, counters, N, Np, tables.shape[1], hot_ref.shape[0] - 1,
+    _compose_rows_kernel[grid](pos, counts, seq_lens, state_slots, tables, hot_map, hot_ref, res_k, res_v,
+                               k, v, miss, hit, counters, N, Np, tables.shape[1], hot_ref.shape[0] - 1,
                                pos.stride(0), tables.stride(0), SINKS=sinks, RECENT=recent, RING=ring, WIDTH=width,
-                               BS=block_size, RES_BASE=res_base, DUMP_ROW=dump_row, HD=HD, ROWS=rows_per_program,
+                               BS=block_size, DUMP_ROW=dump_row, HD=HD, ROWS=rows_per_program,
                                num_warps=num_warps)
-    return k, v, miss
+    return k, v, miss, hit
 
 
-def compose_rows(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v, counters,
+def compose_rows(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, res_k, res_v, counters,
                  *, kernel: str = "torch", **kw):
     """kernel: "triton" (the engine's default; CUDA, or TRITON_INTERPRET=1) or "torch" (the reference)."""
-    args = (pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, rows_k, rows_v, counters)
-    if kernel == "triton" and triton is not None and (rows_k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    args = (pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, res_k, res_v, counters)
+    if kernel == "triton" and triton is not None and (res_k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return compose_rows_triton(*args, **kw)
     return compose_rows_ref(*args, **kw)
