@@ -227,13 +227,12 @@ def _gdn(seed=0):
     return m.eval()
 
 
-def _bind(m, S, n):
+def _bind(m, S, rows):
     conv, rec = m.state_shapes()
     g = torch.Generator().manual_seed(3)
     m.conv_state = torch.randn(S, *conv, generator=g)
     m.ssm_state = torch.randn(S, *rec, generator=g) * 0.1
-    m.conv_spec = torch.zeros(S, n, *conv)
-    m.ssm_spec = torch.zeros(S, n, *rec)
+    m.allocate_verify(rows, torch.float32, "cpu")
 
 
 def _step_ctx(slot):
@@ -243,16 +242,18 @@ def _step_ctx(slot):
 
 
 @torch.no_grad()
-def test_gdn_verify_rolls_back_to_step_by_step_state():
+@pytest.mark.parametrize("buffer_rows", [32, 4])   # 4: the step is larger than the kept-input buffers (eager)
+def test_gdn_verify_replays_to_step_by_step_state(buffer_rows):
     """Verification of 4 + 2 + 1 rows next to a 5-token prompt chunk: every row's output equals
-    one-token-at-a-time decoding, and committing accepted position a leaves exactly the state after
-    a + 1 single steps (conv and recurrent)."""
-    S, n = 6, 3
+    one-token-at-a-time decoding; the decoding slots keep their state until the replay, which leaves
+    exactly the state after a + 1 single steps (conv and recurrent) for accepted position a, keeps the
+    snapshots asked for, and touches no other slot but the scratch one."""
+    S, scratch = 7, 6
     m = _gdn()
     qlens, slots, decoding = [4, 5, 2, 1], [3, 0, 5, 1], [True, False, True, True]
     cu = [0, 4, 9, 11, 12]
     x = torch.randn(cu[-1], 32)
-    _bind(m, S, n)
+    _bind(m, S, buffer_rows)
     conv0, ssm0 = m.conv_state.clone(), m.ssm_state.clone()
     ctx = Context(cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seq_lens=torch.tensor(qlens, dtype=torch.int32) + 8,
                   slot_mapping=torch.zeros(cu[-1], dtype=torch.int64), block_tables=torch.zeros(4, 1, dtype=torch.int32),
@@ -264,7 +265,10 @@ def test_gdn_verify_rolls_back_to_step_by_step_state():
         y = m(x)
     finally:
         set_context(None)
-    verified = (m.conv_state.clone(), m.ssm_state.clone(), m.conv_spec.clone(), m.ssm_spec.clone())
+    dec_slots = [slots[b] for b in range(4) if decoding[b]]
+    assert torch.equal(m.ssm_state[dec_slots], ssm0[dec_slots]) and torch.equal(m.conv_state[dec_slots], conv0[dec_slots])
+    verified = (m.conv_state.clone(), m.ssm_state.clone())
+    kept = m._kept
     # reference: each sequence alone, one token per call (the prompt chunk as one varlen call)
     ref = torch.empty_like(y)
     after = {}  # (b, t) -> states after row t
@@ -286,18 +290,23 @@ def test_gdn_verify_rolls_back_to_step_by_step_state():
             after[b, 4] = (m.conv_state[slots[b]].clone(), m.ssm_state[slots[b]].clone())
         set_context(None)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    for accepted in ([0, 0], [1, 0], [2, 0], None):  # None: all drafts accepted, nothing to roll back
-        m.conv_state, m.ssm_state, m.conv_spec, m.ssm_spec = (t.clone() for t in verified)
-        if accepted is not None:
-            m.commit_verified(torch.tensor([slots[0], slots[2]]), torch.tensor(accepted))
-        for b, a in zip((0, 2), accepted or [3, 1]):
-            torch.testing.assert_close(m.conv_state[slots[b]], after[b, a][0], rtol=1e-5, atol=1e-6)  # projections batched differently
-            torch.testing.assert_close(m.ssm_state[slots[b]], after[b, a][1], rtol=1e-6, atol=1e-6)
-        for b, t in ((1, 4), (3, 0)):  # not rolled back: the state after their last row
-            torch.testing.assert_close(m.conv_state[slots[b]], after[b, t][0], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(m.ssm_state[slots[b]], after[b, t][1], rtol=1e-5, atol=1e-5)
-    untouched = [s for s in range(S) if s not in slots]
-    assert torch.equal(m.ssm_state[untouched], ssm0[untouched])
+    for accepted in ([0, 0], [1, 0], [2, 0], [3, 1]):
+        m.conv_state, m.ssm_state = (t.clone() for t in verified)
+        m._kept = kept
+        acc = {0: accepted[0], 2: accepted[1], 3: 0}   # sequence 3 decoded one token, no drafts
+        dec = [0, 2, 3]
+        m.replay_verified(torch.tensor([cu[b] for b in dec]), torch.tensor([slots[b] for b in dec]),
+                          torch.tensor([acc[b] for b in dec]), max(acc.values()) + 1, cu[-1], scratch,
+                          {accepted[0]: [slots[0]]})
+        for b in dec:
+            torch.testing.assert_close(m.conv_state[slots[b]], after[b, acc[b]][0], rtol=1e-5, atol=1e-6)  # projections batched differently
+            torch.testing.assert_close(m.ssm_state[slots[b]], after[b, acc[b]][1], rtol=1e-6, atol=1e-6)
+        snap = m.snapshots[(slots[0], accepted[0])]
+        assert torch.equal(snap[0], m.conv_state[slots[0]]) and torch.equal(snap[1], m.ssm_state[slots[0]])
+        torch.testing.assert_close(m.conv_state[slots[1]], after[1, 4][0], rtol=1e-5, atol=1e-6)  # the prompt chunk
+        torch.testing.assert_close(m.ssm_state[slots[1]], after[1, 4][1], rtol=1e-5, atol=1e-5)
+        untouched = [s for s in range(S) if s not in slots and s != scratch]
+        assert torch.equal(m.ssm_state[untouched], ssm0[untouched])
 
 
 # ---- rejection sampling ------------------------------------------------------------------------

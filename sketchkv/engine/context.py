@@ -14,8 +14,9 @@ import torch
 @dataclass
 class VerifyRows:
     """A step with draft tokens to verify: Gated DeltaNet layers advance the decoding sequences one
-    position at a time and keep the state after each position (to roll back to the accepted one)."""
-    steps: list[tuple[torch.Tensor, torch.Tensor]]  # position t: (flat row, state slot) of each decoding sequence with > t rows
+    position at a time on copies of their states, then replay the accepted positions (forward_verify)."""
+    # position t: (flat row, state slot, index among the decoding sequences) of each decoding sequence with > t rows
+    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     other_rows: torch.Tensor | None = None          # rows of the other sequences (prefill chunks), varlen as usual
     other_slots: torch.Tensor | None = None
     other_cu: torch.Tensor | None = None

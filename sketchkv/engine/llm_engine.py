@@ -179,8 +179,11 @@ class LLMEngine:
                 advance[i] += a
             for seq, toks in zip(done, out.tokens):
                 seq.token_ids += toks[:-1]
+            # GDN states after positions inside the kept run that are prefix-cache snapshot points (_after_run)
+            snaps = {(seq.state_slot, pos - s - 1) for (seq, _), s, a in zip(batch, starts, advance)
+                     for pos in range(s + 1, s + a) if self.scheduler.snapshot_point(seq, pos)}
             with record_function("spec.commit"):
-                spec.commit(done, out)
+                spec.commit(done, out, snaps)
                 self._after_run(batch, advance, starts)
             for seq, toks in zip(done, out.tokens):
                 seq.token_ids.append(toks[-1])  # pending, like a sampled token; the drafter reads it

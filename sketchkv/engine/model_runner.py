@@ -229,11 +229,8 @@ class ModelRunner:
             conv, rec = m.state_shapes()
             m.conv_state = torch.zeros(self.num_state_slots, *conv, dtype=self.dtype, device=self.device)
             m.ssm_state = torch.zeros(self.num_state_slots, *rec, dtype=torch.float32, device=self.device)
-            if self.num_spec:  # states after each verified position but the last, to roll back to
-                m.conv_spec = torch.zeros(self.num_state_slots, self.num_spec, *conv, dtype=self.dtype,
-                                          device=self.device)
-                m.ssm_spec = torch.zeros(self.num_state_slots, self.num_spec, *rec, dtype=torch.float32,
-                                         device=self.device)
+            if self.num_spec:  # a verification step's inputs, replayed up to the accepted position
+                m.allocate_verify(max(VERIFY_GRAPH_MAX_ROWS, self.num_spec + 1), self.dtype, self.device)
 
     def _allocate_kv(self, num_blocks: int, pool_rows: int = 0) -> None:
         c = self.model_cfg
@@ -612,7 +609,8 @@ class ModelRunner:
         if self.tier is not None:
             self.v_resident_rows = torch.full((R,), self.tier.dump_row, dtype=torch.int64, device=dev)
             self.v_hot_pids = torch.full((R,), self.tier.pad_pid, dtype=torch.int64, device=dev)
-        self.v_steps = {bs: VerifyRows([(torch.arange(bs, device=dev) * Q + t, self.v_seq_slots[:bs]) for t in range(Q)])
+        self.v_steps = {bs: VerifyRows([(torch.arange(bs, device=dev) * Q + t, self.v_seq_slots[:bs],
+                                         torch.arange(bs, device=dev)) for t in range(Q)])
                         for bs in sizes}   # static row lists, alive as long as the graphs
         for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:
             r = bs * Q

@@ -8,12 +8,13 @@ One engine step with speculation on (`num_speculative_tokens` = n > 0):
    per call, feeding back its own hidden state and the draft token (vLLM's MTP proposer).
 2. verify: the target runs the last token + k drafts as k + 1 rows of that sequence. Attention
    layers treat each row as a decode row with its own length (causal over the cache; sparse layers
-   select per position); Gated DeltaNet layers step through the rows and keep the state after each
-   (`GatedDeltaNet.forward_verify`). `rejection_sampler.verify` keeps a prefix of the drafts and adds
-   one token.
-3. commit: each sequence's GDN state rolls back to its last accepted row (a copy of the kept
-   state; nothing is recomputed); the scheduler counts only accepted rows as cached and frees the
-   blocks that only rejected rows used. KV rows of rejected positions stay in kept blocks and are
+   select per position); Gated DeltaNet layers step through the rows on copies of the sequences'
+   states and keep the step's inputs (`GatedDeltaNet.forward_verify`). `rejection_sampler.verify`
+   keeps a prefix of the drafts and adds one token.
+3. commit: each sequence's GDN state advances through its kept rows again, from its slot and the
+   kept inputs (`GatedDeltaNet.replay_verified`: the same decode kernels, so the same state as the
+   verification computed, and no per-position states in memory); the scheduler counts only accepted
+   rows as cached and frees the blocks that only rejected rows used. KV rows of rejected positions stay in kept blocks and are
    overwritten later (attention never reads past a sequence's length).
 4. catch up: the MTP layer runs over the step's accepted rows (prompt chunks too), on the target's
    hidden states and the next tokens, writing its KV cache and leaving its output at the last row
@@ -29,7 +30,6 @@ drafter graph per step (MTPDrafter.capture_graphs; one host sync for the drafts)
 steps with fewer drafts run eagerly. The catch-up pass is eager (one MTP pass over the accepted rows,
 attended as decode rows).
 """
-import math
 
 import torch
 
@@ -48,8 +48,8 @@ def verify_rows(query_lens: list[int], cu: list[int], state_slots: list[int], de
     dec = [b for b, d in enumerate(decoding) if d]
     steps = []
     for pos in range(max(query_lens[b] for b in dec)):
-        live = [b for b in dec if query_lens[b] > pos]
-        steps.append((t([cu[b] + pos for b in live]), t([state_slots[b] for b in live])))
+        live = [i for i, b in enumerate(dec) if query_lens[b] > pos]
+        steps.append((t([cu[dec[i]] + pos for i in live]), t([state_slots[dec[i]] for i in live]), t(live)))
     vr = VerifyRows(steps)
     other = [b for b, d in enumerate(decoding) if not d]
     if other:
@@ -262,9 +262,9 @@ class Speculator:
         """Extra device memory one sequence (agent) costs with speculation on, at `context_len` tokens."""
         r, c = self.runner, self.runner.model_cfg
         mtp_kv = 2 * len(self.mtp_layers(r.model)) * c.num_kv_heads * c.head_dim * r.dtype.itemsize
-        states = sum(math.prod(t.shape[1:]) * t.element_size() for m in r.gdn_layers for t in (m.conv_spec, m.ssm_spec))
-        return {"mtp_kv": mtp_kv * context_len, "gdn_verify_states": states,
-                "total": mtp_kv * context_len + states}
+        # no per-position GDN states (replayed from the step's inputs): the engine's input buffers, per sequence
+        inputs = sum(m.verify_buffer_bytes() for m in r.gdn_layers) / r.cfg.scheduler.max_num_seqs
+        return {"mtp_kv": mtp_kv * context_len, "gdn_verify_inputs": inputs, "total": mtp_kv * context_len + inputs}
 
     # ---- one step ------------------------------------------------------------------------------
     def propose(self, batch: list[tuple[Sequence, int]]) -> None:
@@ -276,25 +276,35 @@ class Speculator:
         """Target hidden states of the step -> tokens for each sequence that completed its tokens."""
         self._hidden, self._row0 = hidden, []
         rows, spans, done = [], [], []
+        self._decoding = {}    # seq_id -> first row, for the GDN replay in commit (the rows forward_verify stepped)
         end = 0
         for seq, n in batch:
             self._row0.append(end)
-            end += n
             k = seq.num_drafts(n)
+            if seq.num_cached > 0 and (n == 1 or k > 0):   # Context.decodes: one token, or a token + drafts
+                self._decoding[seq.seq_id] = end
+            end += n
             if seq.num_cached + n - k == len(seq):
                 spans.append((len(rows), k + 1))
                 rows += range(end - k - 1, end)
                 done.append(seq)
+        self._rows_total = end
         if not done:
             return VerifyOutput([], [], [], [], [])
         logits = self.runner.model.compute_logits(hidden[to_device(rows, torch.int64, hidden.device)])
         return verify([logits[a:a + m] for a, m in spans], [s.draft_token_ids for s in done],
                       [s.draft_probs for s in done], [s.params for s in done], [s.generator for s in done])
 
-    def commit(self, done: list[Sequence], out: VerifyOutput) -> None:
-        """Roll each verified sequence's GDN state back to its last accepted position; count."""
-        slots, acc = [], []
+    def commit(self, done: list[Sequence], out: VerifyOutput, snapshots: set[tuple[int, int]] = frozenset()) -> None:
+        """Advance each decoding sequence's GDN state to its last kept position (the verification ran on
+        copies: GatedDeltaNet.replay_verified); count. snapshots {(state slot, t)}: states after position t
+        to keep for `slot_states` (prefix-cache snapshot points inside the verified run)."""
+        rows0, slots, acc = [], [], []
         for seq, k, a in zip(done, out.num_drafts, out.num_accepted):
+            if seq.seq_id in self._decoding:
+                rows0.append(self._decoding[seq.seq_id])
+                slots.append(seq.state_slot)
+                acc.append(a)
             if k == 0:
                 continue
             self.num_verified += 1
@@ -303,14 +313,15 @@ class Speculator:
             for i in range(k):
                 self.drafted_at[i] += 1
                 self.accepted_at[i] += i < a
-            if a < k:
-                slots.append(seq.state_slot)
-                acc.append(a)
         if slots:
             dev = self.runner.device
-            slots_t, acc_t = to_device(slots, torch.int64, dev), to_device(acc, torch.int64, dev)
+            t = lambda x: to_device(x, torch.int64, dev)
+            snaps: dict[int, list[int]] = {}
+            for slot, pos in snapshots:
+                snaps.setdefault(pos, []).append(slot)
             for m in self.runner.gdn_layers:
-                m.commit_verified(slots_t, acc_t)
+                m.replay_verified(t(rows0), t(slots), t(acc), max(acc) + 1, self._rows_total, self.runner.scratch_slot,
+                                  snaps)
 
     def catch_up(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> None:
         """After the scheduler advanced num_cached: the drafter sees the step's kept rows."""
@@ -321,8 +332,9 @@ class Speculator:
         self._hidden = None
 
     def slot_states(self, slot: int, t: int) -> list[torch.Tensor]:
-        """Like ModelRunner.slot_states, for the state kept after verified position t of this step."""
-        return [x for m in self.runner.gdn_layers for x in (m.conv_spec[slot, t], m.ssm_spec[slot, t])]
+        """Like ModelRunner.slot_states, for the state after verified position t of this step (asked for in
+        commit's snapshots)."""
+        return [x for m in self.runner.gdn_layers for x in m.snapshots[(slot, t)]]
 
     def metrics(self) -> dict:
         """Mean accepted length = tokens emitted per verification (accepted drafts + the target's one)."""

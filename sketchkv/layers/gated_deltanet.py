@@ -32,12 +32,25 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         # Bound by the model runner: one row per sequence slot
         self.conv_state = self.ssm_state = torch.tensor([])
-        # Speculative decoding: [slot, t] = state after verified position t (t < num drafts), see forward_verify
-        self.conv_spec = self.ssm_spec = torch.tensor([])
+        # Speculative decoding: the verification step's inputs, kept for `replay_verified` (see forward_verify):
+        # [rows, conv_dim] pre-conv rows, [rows, Hv] gates; allocated by the runner (allocate_verify)
+        self.verify_x = self.verify_g = self.verify_beta = torch.tensor([])
+        self._kept = None          # an eager step's own tensors when it has more rows than the buffers
+        self.snapshots: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.in_proj = None  # fused [qkv; z; b; a] weight, see models/fuse.py
 
     def fuse_projections(self) -> None:
         self.in_proj = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+
+    def allocate_verify(self, rows: int, dtype, device) -> None:
+        """Buffers for the inputs of verification steps of up to `rows` rows (the verification graphs' bound);
+        larger (eager) steps keep their own tensors until the commit."""
+        self.verify_x = torch.zeros(rows, self.conv_dim, dtype=dtype, device=device)
+        self.verify_g = torch.zeros(rows, self.num_v_heads, dtype=torch.float32, device=device)
+        self.verify_beta = torch.zeros(rows, self.num_v_heads, dtype=dtype, device=device)
+
+    def verify_buffer_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.verify_x, self.verify_g, self.verify_beta))
 
     def state_shapes(self) -> tuple[tuple, tuple]:
         """Per-slot (conv, recurrent) state shapes; the recurrent state is kept in fp32."""
@@ -73,20 +86,29 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, self.value_dim))
 
     def forward_verify(self, qkv, z, g, beta, w, ctx) -> torch.Tensor:
-        """A step with draft tokens: decoding sequences advance one position at a time (decode kernels)
-        and the state after each position but their last is kept in conv_spec / ssm_spec [slot, t];
-        `commit_verified` then rolls each back to its last accepted position, with no recomputation.
-        Other sequences (prompt chunks) run varlen as usual. -> gated output [T * Hv, Dv]."""
+        """A step with draft tokens. Decoding sequences advance one position at a time (the decode kernels,
+        as plain decoding) on a transient copy of their states, so their slots keep the state from before
+        the step; the step's inputs (pre-conv rows, gates) are kept, and `replay_verified` then runs each
+        sequence's accepted positions again from its slot: the same kernels on the same inputs, so the
+        state is bitwise the one the verification computed, and no per-position states are stored (they
+        cost n x the state per sequence: 1.08 GB per agent for the 27B shape at n = 7). Other sequences
+        (prompt chunks) run varlen in place, as usual. -> gated output [T * Hv, Dv]."""
         vr, T = ctx.verify, qkv.shape[0]
+        if T <= self.verify_x.shape[0]:
+            self.verify_x[:T].copy_(qkv)
+            self.verify_g[:T].copy_(g)
+            self.verify_beta[:T].copy_(beta)
+        else:  # an eager step larger than the graphs' bound
+            assert not (qkv.is_cuda and torch.cuda.is_current_stream_capturing())
+            self._kept = (qkv, g, beta)
         y = torch.empty_like(qkv)
         if vr.other_rows is not None:
             y[vr.other_rows] = causal_conv1d_varlen(qkv[vr.other_rows], w, None, self.conv_state, vr.other_slots,
                                                     vr.other_cu)
-        for t, (rows, slots) in enumerate(vr.steps):
-            y[rows] = causal_conv1d_decode(qkv[rows], w, None, self.conv_state, slots)
-            if t + 1 < len(vr.steps):
-                keep = vr.steps[t + 1][1]
-                self.conv_spec[keep, t] = self.conv_state[keep]
+        seq_slots = vr.steps[0][1]          # every decoding sequence has a row at position 0
+        conv_work, ssm_work = self.conv_state[seq_slots], self.ssm_state[seq_slots]   # transient copies
+        for rows, _, local in vr.steps:
+            y[rows] = causal_conv1d_decode(qkv[rows], w, None, conv_work, local)
         q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
@@ -95,15 +117,31 @@ class GatedDeltaNet(nn.Module):
         if vr.other_rows is not None:
             r = vr.other_rows
             o[r] = gated_delta_rule_varlen(q[r], k[r], v[r], g[r], beta[r], self.ssm_state, vr.other_slots, vr.other_cu)
-        for t, (rows, slots) in enumerate(vr.steps):
-            o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], self.ssm_state, slots)
-            if t + 1 < len(vr.steps):
-                keep = vr.steps[t + 1][1]
-                self.ssm_spec[keep, t] = self.ssm_state[keep]
+        for rows, _, local in vr.steps:
+            o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_work, local)
         return self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
 
-    def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Roll slots back to the state after verified position accepted[i] (< that sequence's number of
-        drafts; a sequence that accepted all its drafts already holds its final state)."""
-        self.conv_state[slots] = self.conv_spec[slots, accepted]
-        self.ssm_state[slots] = self.ssm_spec[slots, accepted]
+    def replay_verified(self, rows0: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, positions: int,
+                        total_rows: int, scratch_slot: int, snapshots: dict[int, list[int]] | None = None) -> None:
+        """After a verification step: advance each decoding sequence's slot through its kept positions
+        0..accepted[i] (its token + the accepted drafts) from the step's kept inputs. rows0 [B]: the
+        sequence's first row in the step; positions: max(accepted) + 1. A sequence with fewer positions
+        steps the scratch slot instead (fixed shapes). snapshots {t: [slots]}: keep copies of those slots'
+        states after position t (prefix-cache snapshots inside the verified run) in `self.snapshots`."""
+        x, g, beta = (self.verify_x, self.verify_g, self.verify_beta) if total_rows <= self.verify_x.shape[0] \
+            else self._kept
+        self._kept = None
+        w = self.conv1d.weight.squeeze(1)
+        self.snapshots = {}
+        for t in range(positions):
+            rows = rows0 + torch.minimum(accepted, torch.full_like(accepted, t))
+            s = torch.where(accepted >= t, slots, scratch_slot)
+            y = causal_conv1d_decode(x[rows], w, None, self.conv_state, s)
+            q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            n = rows.shape[0]
+            gated_delta_rule_decode(q.reshape(n, self.num_k_heads, self.head_k_dim),
+                                    k.reshape(n, self.num_k_heads, self.head_k_dim),
+                                    v.reshape(n, self.num_v_heads, self.head_v_dim), g[rows], beta[rows],
+                                    self.ssm_state, s)
+            for slot in (snapshots or {}).get(t, []):
+                self.snapshots[(slot, t)] = (self.conv_state[slot].clone(), self.ssm_state[slot].clone())
