@@ -59,7 +59,12 @@ class Context:
 
     def decodes(self, b: int) -> bool:
         """Sequence b's rows are decode rows (one token, or one token plus drafts), not a prompt chunk."""
-        return self.context_lens[b] > 0 and (self.query_lens[b] == 1 or bool(self.num_drafts and self.num_drafts[b]))
+        return decode_rows(self.context_lens[b], self.query_lens[b], self.num_drafts[b] if self.num_drafts else 0)
+
+
+def decode_rows(cached: int, query_len: int, drafts: int) -> bool:
+    """A sequence's rows in a step are decode rows (one token, or one token plus drafts), not a prompt chunk."""
+    return cached > 0 and (query_len == 1 or drafts > 0)
 
 
 _CONTEXT: Context | None = None

@@ -179,12 +179,12 @@ class LLMEngine:
                 advance[i] += a
             for seq, toks in zip(done, out.tokens):
                 seq.token_ids += toks[:-1]
-            # GDN states after positions inside the kept run that are prefix-cache snapshot points (_after_run)
-            snaps = {(seq.state_slot, pos - s - 1) for (seq, _), s, a in zip(batch, starts, advance)
-                     for pos in range(s + 1, s + a) if self.scheduler.snapshot_point(seq, pos)}
+            # prefix-cache snapshot points inside the kept runs: (sequence, position, verified row t)
+            snaps = [(seq, pos, pos - s - 1) for (seq, _), s, a in zip(batch, starts, advance)
+                     for pos in range(s + 1, s + a) if self.scheduler.snapshot_point(seq, pos)]
             with record_function("spec.commit"):
-                spec.commit(done, out, snaps)
-                self._after_run(batch, advance, starts)
+                spec.commit(done, out, {(seq.state_slot, t) for seq, _, t in snaps})   # keeps those states
+                self._after_run(batch, advance, snaps)
             for seq, toks in zip(done, out.tokens):
                 seq.token_ids.append(toks[-1])  # pending, like a sampled token; the drafter reads it
             with record_function("spec.catch_up"):
@@ -213,15 +213,15 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
         return outputs
 
-    def _after_run(self, batch, advance: list[int] | None = None, starts: list[int] | None = None) -> None:
-        """Caches advanced by one step: register blocks, save due GDN snapshots, log long prefills."""
+    def _after_run(self, batch, advance: list[int] | None = None,
+                   snapshots: list[tuple[Sequence, int, int]] = ()) -> None:
+        """Caches advanced by one step: register blocks, save due GDN snapshots, log long prefills.
+        snapshots: (sequence, position, verified row) of snapshot points passed inside a verified run (their
+        states were kept by Speculator.commit)."""
         self.scheduler.after_step(batch, advance)
-        if advance is not None:  # a snapshot point passed inside a verified run: its state was kept
-            for seq, s in zip((seq for seq, _ in batch), starts):
-                for pos in range(s + 1, seq.num_cached):
-                    if self.scheduler.snapshot_point(seq, pos):
-                        self.runner.state_cache.save(seq.block_hashes[pos // self.blocks.block_size - 1],
-                                                     self.runner.spec.slot_states(seq.state_slot, pos - s - 1))
+        for seq, pos, t in snapshots:   # after after_step: the blocks' hashes are registered now
+            self.runner.state_cache.save(seq.block_hashes[pos // self.blocks.block_size - 1],
+                                         self.runner.spec.slot_states(seq.state_slot, t))
         for seq, n in batch:  # the slot now holds the state after exactly num_cached tokens
             if n > 1 and len(seq) >= LONG_PREFILL:
                 took = time.monotonic() - seq.arrival

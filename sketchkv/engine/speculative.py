@@ -33,7 +33,7 @@ attended as decode rows).
 
 import torch
 
-from sketchkv.engine.context import Context, VerifyRows, forward_context
+from sketchkv.engine.context import Context, VerifyRows, decode_rows, forward_context
 from sketchkv.engine.sequence import Sequence, Status, block_tables
 from sketchkv.errors import CheckpointError
 from sketchkv.layers.attention import Attention
@@ -281,7 +281,7 @@ class Speculator:
         for seq, n in batch:
             self._row0.append(end)
             k = seq.num_drafts(n)
-            if seq.num_cached > 0 and (n == 1 or k > 0):   # Context.decodes: one token, or a token + drafts
+            if decode_rows(seq.num_cached, n, k):   # as Context.decodes: the rows forward_verify stepped
                 self._decoding[seq.seq_id] = end
             end += n
             if seq.num_cached + n - k == len(seq):

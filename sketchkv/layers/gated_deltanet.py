@@ -134,7 +134,7 @@ class GatedDeltaNet(nn.Module):
         w = self.conv1d.weight.squeeze(1)
         self.snapshots = {}
         for t in range(positions):
-            rows = rows0 + torch.minimum(accepted, torch.full_like(accepted, t))
+            rows = rows0 + accepted.clamp(max=t)
             s = torch.where(accepted >= t, slots, scratch_slot)
             y = causal_conv1d_decode(x[rows], w, None, self.conv_state, s)
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
