@@ -6,9 +6,12 @@ against the PyTorch reference on fresh random inputs.
 
 Shape: one Qwen3.5-27B full-attention layer at batch 8 x 250K tokens (4 KV heads, rank-64 int4 sketch,
 block size 64, 64 sinks + 1,024 recent excluded), the engine's calls: `sum` scores the group-summed
-query ([B, Hkv, r]: one dot per KV head), `softmax` every query head ([B, Hkv, 6, r], two passes).
-Floor: sketch bytes read (x2 for softmax's two passes) + one fp32 score per token written, at the copy
-bandwidth (2 x bytes / time of a 1 GiB device copy). Goal (issue 4): >= 70% of it.
+query ([B, Hkv, r]: one dot per KV head), `softmax` every query head ([B, Hkv, 6, r]): kernel `dot` scores the
+sketch once and stores fp16 per-head scores for its second pass, `dot2` (two_pass=True) and `fma` score it
+twice. Floor: the sketch read once + one fp32 score per token written, at the copy bandwidth (2 x bytes /
+time of a 1 GiB device copy), for every kernel (what a one-pass kernel would move). Goal (issue 4): >= 70%.
+Then the top-k threshold over the step's [B, max_len] scores: radix select (kth_largest_triton) against
+torch.topk (kth_largest_torch, which sorts such rows), and the whole topk_positions.
 """
 import argparse
 import json
@@ -23,6 +26,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse_ops import bench, copy_bw  # noqa: E402
 from sketchkv.ops.sketch import quantize_int4, sketch_score_dot, sketch_score_ref, sketch_score_triton  # noqa: E402
+from sketchkv.ops.topk import kth_largest_torch, kth_largest_triton, topk_positions  # noqa: E402
 
 
 def main():
@@ -48,20 +52,26 @@ def main():
     sm = 256 ** -0.5
     tokens = int(lens.sum())
     read = tokens * Hkv * (r // 2 + 2)
-    floors = {"sum": (read + B * max_len * 4) / bw, "softmax": (2 * read + B * max_len * 4) / bw}
+    floors = {"sum": (read + B * max_len * 4) / bw, "softmax": (read + B * max_len * 4) / bw}
     cases = {"sum": (q_sum, "sum"), "softmax": (q_heads, "softmax")}
     refs = {}
     for name, (q, combine) in cases.items():   # reference on two sequences (one full, one ragged)
         refs[name] = sketch_score_ref(q[:2], sk, sc, tables[:2], lens[:2], sinks, recent, max_len, True, combine, sm)
 
-    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot}
+    def dot2(*args, **kw):
+        return sketch_score_dot(*args, **kw, two_pass=True)
+
+    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot2": dot2}
     tiles = {"fma": [(2, 8)] if a.quick else [(1, 2), (1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)],
-             "dot": [(2, 4)] if a.quick else [(1, 4), (2, 4), (2, 8), (4, 8)]}
+             "dot": [(2, 4)] if a.quick else [(1, 4), (2, 4), (2, 8), (4, 8), (1, 8)],
+             "dot2": [(2, 4)]}
     rows = []
     for name, (q, combine) in cases.items():
         ref = refs[name]
         fin = torch.isfinite(ref)
         for kname, fn in kernels.items():
+            if kname == "dot2" and combine != "softmax":
+                continue
             for bpp, nw in tiles[kname]:
                 def call():
                     return fn(q, sk, sc, tables, lens, sinks, recent, max_len, True, combine, sm, bpp=bpp, num_warps=nw)
@@ -79,9 +89,20 @@ def main():
                                  fraction_of_copy=floors[name] / t, max_rel_err=err, same_masked=same_inf))
                 print(f"{name:8s} {kname} bpp {bpp} warps {nw:2d}: {t * 1e6:7.1f} us, floor {floors[name] * 1e6:.0f} us "
                       f"({floors[name] / t:.0%}), rel err {err:.1e}, masks equal {same_inf}")
+    # top-k threshold over one layer's scores (the engine's shared selection: one row per sequence)
+    scores = sketch_score_dot(q_heads, sk, sc, tables, lens, sinks, recent, max_len, True, "softmax", sm)[:, 0]
+    k = 2048
+    kth_same = bool(torch.equal(kth_largest_triton(scores, k), kth_largest_torch(scores, k)))
+    topk = {"kth_radix_us": bench(lambda: kth_largest_triton(scores, k)) * 1e6,
+            "kth_torch_us": bench(lambda: kth_largest_torch(scores, k)) * 1e6,
+            "topk_positions_us": bench(lambda: topk_positions(scores, k, -1)) * 1e6,
+            "scores_read_floor_us": scores.numel() * 4 / bw * 1e6, "kth_bitwise_equal": kth_same, "k": k}
+    print(f"top-k {k} over {B} x {max_len}: radix select {topk['kth_radix_us']:.1f} us, torch.topk "
+          f"{topk['kth_torch_us']:.1f} us (equal: {kth_same}), topk_positions {topk['topk_positions_us']:.1f} us; "
+          f"one read of the scores {topk['scores_read_floor_us']:.1f} us")
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=time.strftime("%Y-%m-%d %H:%M"), command=" ".join(sys.argv), copy_GBps=bw / 1e9,
-               shape=dict(batch=B, context=L, tokens=tokens, Hq=Hq, Hkv=Hkv, rank=r, block=bs), rows=rows)
+               shape=dict(batch=B, context=L, tokens=tokens, Hq=Hq, Hkv=Hkv, rank=r, block=bs), rows=rows, topk=topk)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"\nHBM copy {bw / 1e9:.0f} GB/s; {B} x {L} tokens (ragged: {tokens} in all), rank {r}")
