@@ -23,8 +23,10 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mode", ["dense", "sparse", "tier"])
+@pytest.mark.parametrize("mode", ["dense", "sparse", "tier", "tier-shared"])
 def test_gpu_speculative_greedy_matches(ckpt, dtype, mode):
+    """tier-shared: one selection per sequence in verification (top-k covering these contexts: exact), its
+    rows read from the tier once."""
     kw = dict(device="cuda", dtype=dtype, block_size=16, max_num_seqs=8, num_kv_blocks=2048)  # engines share the card
     if mode != "dense":
         from sketchkv.config import SparseConfig
@@ -35,8 +37,10 @@ def test_gpu_speculative_greedy_matches(ckpt, dtype, mode):
             calib = os.path.join(ckpt, "calib.txt")
             open(calib, "w").write("def f(x):\n    return x + 1\n" * 300)
             fit_basis(LLM(ckpt, **kw), [calib], rank=16, max_tokens=3000, seq_len=1024, out=basis)
-        kw["sparse"] = SparseConfig(sparse=True, top_k=32, sink_tokens=4, recent_tokens=16, dense_threshold=0,
-                                    host_tier=mode == "tier")
+        shared = mode == "tier-shared"
+        kw["sparse"] = SparseConfig(sparse=True, top_k=512 if shared else 32, sink_tokens=4, recent_tokens=16,
+                                    dense_threshold=0, host_tier=mode.startswith("tier"),
+                                    verify_selection="shared" if shared else "per_row")
     prompts = _prompts((300, 77, 140, 33), 2)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = [o.token_ids for o in LLM(ckpt, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]

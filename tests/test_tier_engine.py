@@ -540,15 +540,27 @@ def test_tier_verification_graph_steps_give_the_same_tokens(ckpt_with_basis_and_
     assert (got.hits, got.misses) == (want.hits, want.misses)
 
 
-def test_tier_shared_verification_selection_covers_the_drafts(ckpt_with_basis_and_mtp):
+def test_tier_shared_verification_selection_covers_the_drafts(ckpt_with_basis_and_mtp, eager_graphs):
     """sparse_verify_selection=shared over the host tier: each verification row reads the first row's
     picks plus the tokens from its recent window up to itself, all resident in the ring (R + n rows).
-    With top-k covering the context that is every token: tokens equal the tier without speculation."""
+    With top-k covering the context that is every token: tokens equal the tier without speculation. A
+    sequence's rows are read from the tier once per step (its last row's positions hold the others'):
+    fewer host-tier lookups than per-row verification; the same in verification graphs (emulated)."""
     from test_speculative import assert_speculation_keeps_tokens
     path = ckpt_with_basis_and_mtp
     prompts, sp, kw, ref = _tier_speculation_case(path, sparse_top_k=512, sparse_verify_selection="shared")
     llm = _llm(path, True, num_speculative_tokens=3, **kw)
     assert_speculation_keeps_tokens(llm, prompts, sp, ref, "oracle")
+    per_row = _llm(path, True, num_speculative_tokens=3, **{**kw, "sparse_verify_selection": "per_row"})
+    assert_speculation_keeps_tokens(per_row, prompts, sp, ref, "oracle")
+    s, p = llm.tier_stats(), per_row.tier_stats()
+    assert 0 < s.hits + s.misses < (p.hits + p.misses) / 2, (s, p)
+    graphs = _llm(path, True, num_speculative_tokens=3, **kw)
+    r = eager_graphs(graphs.engine.runner)
+    assert_speculation_keeps_tokens(graphs, prompts, sp, ref, "oracle")
+    assert sum(type(g).count for g in r.verify_graphs.values()) > 0
+    g = graphs.tier_stats()
+    assert (g.hits, g.misses) == (s.hits, s.misses)
 
 
 @pytest.mark.parametrize("tier", [False, True])

@@ -49,6 +49,7 @@ class Context:
     # the index of its sequence in verify_leaders
     verify_leaders: torch.Tensor | None = None
     verify_group: torch.Tensor | None = None
+    verify_lasts: torch.Tensor | None = None   # each sequence's last row (its positions cover the others')
     # Host tier only
     resident_rows: torch.Tensor | None = None  # [T] int64: row of each new token in the tier's sinks/recent ring
     hot_pids: torch.Tensor | None = None       # [B] int64: hot-buffer partition of each sequence

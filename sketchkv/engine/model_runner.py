@@ -404,6 +404,7 @@ class ModelRunner:
                 firsts = list(itertools.accumulate([0] + [qlens[b] for b in dec[:-1]]))   # in decode-row order
                 ctx.verify_leaders = t(firsts, torch.int64)
                 ctx.verify_group = t([i for i, b in enumerate(dec) for _ in range(qlens[b])], torch.int64)
+                ctx.verify_lasts = t([f + qlens[b] - 1 for f, b in zip(firsts, dec)], torch.int64)
         if ctx.num_drafts:
             from sketchkv.engine.speculative import verify_rows
             ctx.verify = verify_rows(qlens, cu, [seq.state_slot for seq, _ in batch],
@@ -605,6 +606,7 @@ class ModelRunner:
         self.v_cu = torch.arange(R + 1, dtype=torch.int32, device=dev)
         self.v_out = torch.zeros(R, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
         self.v_leaders = torch.arange(max(sizes), device=dev) * Q
+        self.v_lasts = self.v_leaders + Q - 1
         self.v_group = torch.arange(R, device=dev) // Q
         if self.tier is not None:
             self.v_resident_rows = torch.full((R,), self.tier.dump_row, dtype=torch.int64, device=dev)
@@ -618,7 +620,7 @@ class ModelRunner:
                           block_tables=self.v_tables[:r], state_slots=self.v_row_slots[:r], query_lens=[1] * r,
                           context_lens=[1] * r, is_decode=True, max_seq_len=self.max_model_len, graph=True,
                           sparse=sparse, verify=self.v_steps[bs], verify_leaders=self.v_leaders[:bs],
-                          verify_group=self.v_group[:r])
+                          verify_group=self.v_group[:r], verify_lasts=self.v_lasts[:bs])
             if self.tier is not None:
                 ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
             step = lambda r=r: self.v_out[:r].copy_(self.model(self.v_ids[:r], self.v_pos[:r]))

@@ -49,6 +49,8 @@ GATHER_MIN_CONTEXT = 8192
 
 
 class IndexedAttention(Attention):
+    verify_shared = False   # every verification row selects for its own position
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, index_dim: int,
                  budget: int, ratio: int, finish_block_keys):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)

@@ -82,6 +82,11 @@ class SparseAttention(Attention):
 
     verify_extra = 0  # drafts per verification step, with verify_selection=shared (set by the model runner)
 
+    @property
+    def verify_shared(self) -> bool:
+        """Verification rows of a sequence attend to nested sets (see select): the host tier reads them once."""
+        return self.cfg.verify_selection == "shared"
+
     def select(self, q, block_tables, seq_lens, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> token positions [B, Hsel, S + k + R] sorted ascending (SENTINEL-padded) and counts [B]. In a
         verification step with verify_selection=shared, only each sequence's first row scores and picks; every

@@ -16,7 +16,8 @@ token, so this is also the dense path): select -> tier.gather (sinks and tail fr
 rows, picks from the hot buffer or, on a miss, straight from pinned host memory) into a compact K/V
 scratch -> the paged decode kernel over that scratch -> admit the misses' host records to the hot buffer. Fixed
 shapes and no host sync: CUDA-graph capturable. In a speculative verification step each row of a
-sequence (its token and its drafts) selects and reads for its own position.
+sequence (its token and its drafts) selects and reads for its own position; with one selection per
+sequence (sparse verify_selection=shared) the sequence's rows are read once, for all of them.
 
 Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier.
 """
@@ -50,17 +51,26 @@ class TieredKV:
         max_len = block_tables.shape[1] * self.tier.block_size if graph else max_seq_len
         idx, counts = self.select(self.selection_query(q), block_tables, seq_lens, max_len)
         self.last_indices = (idx, counts)
-        k, v, miss, records = self.tier.gather(self.layer, idx[:, 0], counts, block_tables, seq_lens, state_slots)
+        # verification with one selection per sequence: its rows' positions are nested (each row's are a prefix
+        # of its last row's, ascending), so the tier reads the last row's once and every row of the sequence
+        # attends over the first `count` of them. Otherwise each row reads its own; the first row of a
+        # sequence admits its misses (the hot buffer's CLOCK places one row's misses per partition).
+        lasts = ctx.verify_lasts if ctx.verify_leaders is not None and self.verify_shared else None
+        if lasts is not None:
+            k, v, miss, records = self.tier.gather(self.layer, idx[lasts, 0], counts[lasts], block_tables[lasts],
+                                                   seq_lens[lasts], state_slots[lasts])
+        else:
+            k, v, miss, records = self.tier.gather(self.layer, idx[:, 0], counts, block_tables, seq_lens, state_slots)
         B, Np = miss.shape
         nb = Np // ATTN_BLOCK
         tables = (torch.arange(B, device=q.device, dtype=torch.int32)[:, None] * nb
                   + torch.arange(nb, device=q.device, dtype=torch.int32)[None])
         out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                     tables, counts, self.scale)
-        if ctx.verify_leaders is not None:
-            # verification: a sequence's rows (its token + drafts) pick nearly the same rows; the hot buffer's
-            # CLOCK places one row's misses per partition, so the first row's admit
+                                     tables if lasts is None else tables[ctx.verify_group], counts, self.scale)
+        if lasts is not None:
+            pids = pids[lasts]
+        elif ctx.verify_leaders is not None:
             # index_fill_, not `first[leaders] = True`: a Python scalar through an index tensor is a host-to-device
             # copy, which a CUDA-graph capture refuses (H200 run 17: verification graphs fell back to eager)
             first = torch.zeros(B, dtype=torch.bool, device=q.device).index_fill_(0, ctx.verify_leaders, True)
