@@ -10,7 +10,7 @@ from sketchkv.errors import CheckpointError
 from sketchkv.kv.basis import KeyBasis
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
-from sketchkv.ops.sketch import (_softmax_dot, dequantize_int4, quantize_int4, sketch_score, sketch_score_dot,
+from sketchkv.ops.sketch import (dequantize_int4, quantize_int4, sketch_score, sketch_score_dot,
                                  sketch_score_ref, softmax_combine)
 from sketchkv.ops.selection import compose_selection, compose_selection_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
@@ -192,7 +192,7 @@ def test_interp_sketch_score_dot_kernel_matches_reference(shared, combine):
                 bound = dot_error_bound(_as_heads(qq), packed, scale, geo, shared, combine, sm, qq is not q)
                 assert (err <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all(), (r, G, err.max())
                 if combine == "softmax":   # one row per launch (a scratch too small for two): the same scores
-                    one = _softmax_dot(_as_heads(qq).contiguous(), packed, scale, *geo, shared, sm, 2, 4, scratch_bytes=1)
+                    one = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, scratch_bytes=1)
                     assert torch.equal(one, out)
                     two = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, two_pass=True)
                     assert ((two - ref)[fin].abs() <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all()

@@ -131,12 +131,13 @@ if triton is not None:
         return b, pid, t, valid, row_sk, row_sc
 
     @triton.jit
-    def _sketch_score_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr,
+    def _sketch_score_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr, y_ptr,
                              sinks, recent, max_len, num_blocks, qk_scale,
                              stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
-                             stride_lb, stride_lp, stride_ob, stride_oh,
+                             stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
                              HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                             G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
+                             G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
+                             STORE: tl.constexpr):
         # One program per (sequence, BPP consecutive KV blocks) = TOK token rows, one KV head at a time:
         # its [TOK, R/2] bytes load as 16-byte vectors and serve all G query heads of that KV head
         # (CUDA-core FMAs). Nibbles become floats without int-to-float conversions (a quarter-rate
@@ -148,7 +149,7 @@ if triton is not None:
         # MODE 0: sum over heads, 1: max, 2: softmax pass 1 (log2-sum-exp2 of this program's rows per
         # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the
         # per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)). qk_scale = sm_scale * log2(e).
-        # GP: unused (the dot kernel's padded group), kept for one launcher.
+        # GP, STORE, y_ptr: unused (the dot kernel's padded group and stored head scores), kept for one launcher.
         b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
                                                        stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
         TOK: tl.constexpr = BPP * BS
@@ -206,36 +207,56 @@ if triton is not None:
             tl.store(out_ptr + b * stride_ob + t, tl.where(valid, acc, float("-inf")), mask=t < max_len)
 
 
+SOFTMAX_SCRATCH_BYTES = 128 << 20   # stored head scores of one launch; larger batches go in groups of rows
+
+
 def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
-                  sm_scale, bpp, num_warps, gp):
-    """Shared launcher of the two scoring kernels (same arguments and modes). softmax: two launches over
-    the sketch (per-program partial log-sum-exp per query head, torch combines them over programs, then
-    the combined score), nothing per query head stored."""
+                  sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES):
+    """Shared launcher of the two scoring kernels (same arguments and modes). softmax: pass 1 (per-program
+    partial log-sum-exp per query head; torch combines them over programs), then pass 2: the sketch scored
+    again (nothing per query head stored), or with store_heads (dot kernel) pass 1 also stores every head's
+    shifted score in fp16 ([rows, max_len, Hq]: 48 B per token at 24 heads, against the 136 B of sketch and
+    scales a second scoring pass reads) and _softmax_combine_kernel combines them; rows go in groups whose
+    scores fit in `scratch_bytes` (8 x 256K tokens x 24 heads: 98 MB, one group)."""
     B, Hkv, G, r = qp.shape
     bs = sketch.shape[1]
     # each block's rows must be one contiguous [bs, Hkv * r/2] tile (how the runner allocates them)
     assert sketch.stride(1) == Hkv * (r // 2) and sketch.stride(2) == r // 2 and sketch.stride(3) == 1
     assert scale.stride(1) == Hkv and scale.stride(2) == 1
     nblk = triton.cdiv(max_len, bs)
-    grid = (B, triton.cdiv(nblk, bpp))
+    programs = triton.cdiv(nblk, bpp)
     out = torch.empty(B, 1 if shared else Hkv, max_len, dtype=torch.float32, device=qp.device)
     qk_scale = sm_scale * 1.4426950408889634
+    store = combine == "softmax" and store_heads
+    group = max(1, min(B, scratch_bytes // (max_len * Hkv * G * 2))) if store else B
+    y = torch.empty(group, max_len, Hkv * G, dtype=torch.float16, device=qp.device) if store else out
 
-    def launch(mode, lse, stride_lb, stride_lp):
-        kernel[grid](
-            qp, sketch, scale, block_tables, seq_lens, lse, out, sinks, recent, max_len,
+    def launch(rows, mode, lse, stride_lb, stride_lp):
+        kernel[(rows.stop - rows.start, programs)](
+            qp[rows], sketch, scale, block_tables[rows], seq_lens[rows], lse, out[rows], y, sinks, recent, max_len,
             min(nblk, block_tables.shape[1]), qk_scale, qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0),
-            scale.stride(0), block_tables.stride(0), stride_lb, stride_lp, out.stride(0), out.stride(1),
-            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, num_warps=num_warps)
+            scale.stride(0), block_tables.stride(0), stride_lb, stride_lp, out.stride(0), out.stride(1), y.stride(0),
+            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, STORE=store, num_warps=num_warps)
 
     if combine != "softmax":
-        launch(COMBINES.index(combine), out, 0, 0)
+        launch(slice(0, B), COMBINES.index(combine), out, 0, 0)
         return out
-    part = torch.empty(B, grid[1], Hkv * G, dtype=torch.float32, device=qp.device)
-    launch(2, part, part.stride(0), part.stride(1))
-    lse = torch.logsumexp(part * 0.6931471805599453, 1) * 1.4426950408889634     # [B, Hq], base 2
-    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))          # no candidate: stays -inf
-    launch(3, lse.contiguous(), lse.stride(0), 0)
+    part = torch.empty(group, programs, Hkv * G, dtype=torch.float32, device=qp.device)
+    for b0 in range(0, B, group):
+        rows = slice(b0, min(B, b0 + group))
+        p = part[: rows.stop - rows.start]
+        launch(rows, 2, p, p.stride(0), p.stride(1))
+        lse = torch.logsumexp(p * 0.6931471805599453, 1, keepdim=True) * 1.4426950408889634  # [n, 1, Hq], base 2
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))          # no candidate: stays -inf
+        if not store:
+            totals = lse[:, 0].contiguous()
+            launch(rows, 3, totals, totals.stride(0), 0)
+            continue
+        off = torch.where(torch.isfinite(p), p - lse, 0.0).contiguous()         # y + off = s * sm_scale - lse
+        o = out[rows]
+        _softmax_combine_kernel[(rows.stop - rows.start, programs)](
+            y, off, o, max_len, y.stride(0), off.stride(0), off.stride(1), o.stride(0), o.stride(1), HKV=Hkv, G=G,
+            HQP=max(16, triton.next_power_of_2(Hkv * G)), TOK=bpp * bs, SHARED=shared, num_warps=num_warps)
     return out
 
 
@@ -255,18 +276,20 @@ def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, r
 if triton is not None:
 
     @triton.jit
-    def _sketch_score_dot_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr,
+    def _sketch_score_dot_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr, y_ptr,
                                  sinks, recent, max_len, num_blocks, qk_scale,
                                  stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
-                                 stride_lb, stride_lp, stride_ob, stride_oh,
+                                 stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
                                  HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                                 G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
+                                 G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
+                                 STORE: tl.constexpr):
         # One program per (sequence, BPP consecutive KV blocks) = TOK token rows. Per KV head h the
         # scores of its G query heads are a [TOK, R] @ [R, G] matmul on tensor cores, split by nibble:
         # lo [TOK, R/2] @ q_even [R/2, GP] + hi @ q_odd, G padded to GP >= 16 with zero query columns.
         # MODE 0: sum over heads, 1: max, 2: softmax pass 1 (log2-sum-exp2 of this program's rows per
-        # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the
-        # per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)). qk_scale = sm_scale * log2(e).
+        # query head -> lse_ptr [B, programs, HKV * G]; STORE: and the shifted head scores -> y_ptr), 3: softmax
+        # pass 2 (lse_ptr [B, HKV * G] the per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)).
+        # qk_scale = sm_scale * log2(e).
         b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
                                                        stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
         TOK: tl.constexpr = BPP * BS
@@ -308,6 +331,10 @@ if triton is not None:
                 m = tl.where(m == float("-inf"), 0.0, m)     # no valid row: l = 0 -> -inf, not nan
                 part = m + tl.log2(tl.sum(tl.exp2(x - m[None, :]), axis=0))
                 tl.store(lse_ptr + b * stride_lb + pid * stride_lp + h * G + gs, part, mask=gmask)
+                if STORE:  # every head's score, shifted by its tile's log2-sum (<= 0): pass 2 is _softmax_combine_kernel
+                    y = x - tl.where(part == float("-inf"), 0.0, part)[None, :]
+                    tl.store(y_ptr + b * stride_yb + t[:, None] * (HKV * G) + h * G + gs[None, :], y.to(tl.float16),
+                             mask=(t < max_len)[:, None] & gmask[None, :])
             else:
                 lse = tl.load(lse_ptr + b * stride_lb + h * G + gs, mask=gmask, other=0.0)
                 y = tl.where(valid[:, None] & gmask[None, :], s * qk_scale - lse[None, :], float("-inf"))
@@ -329,50 +356,6 @@ if triton is not None:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _softmax_heads_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, y_ptr, part_ptr,
-                              sinks, recent, max_len, num_blocks, qk_scale,
-                              stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
-                              stride_yb, stride_pb, stride_pp,
-                              HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                              G: tl.constexpr, HQP: tl.constexpr):
-        # softmax pass 1 on tensor cores, every query head at once: one program per (sequence, BPP blocks)
-        # = TOK token rows. A row's whole sketch [HKV * R/2] bytes meets a block-diagonal query matrix
-        # [HKV * R/2, HQP] (column j = query head j of KV head j // G; zero outside its KV head), split by
-        # nibble: two dots of K = HKV * R/2 give all Hkv * G head scores [TOK, HQP] (G padded to HQP, not
-        # each KV head's G to 16: 2.7x fewer exponentials). Per head: this tile's log2-sum-exp2 -> part
-        # [B, programs, Hq], and every score shifted by it (<= 0, finest near the tile's top tokens) ->
-        # y [B, max_len, Hq] fp16, so pass 2 reads 2 bytes per head instead of scoring the sketch again.
-        b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
-                                                       stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
-        H2: tl.constexpr = R // 2
-        W: tl.constexpr = HKV * H2
-        HQ: tl.constexpr = HKV * G
-        c = tl.arange(0, W)                 # byte column: KV head c // H2, dims 2 (c % H2) and + 1
-        j = tl.arange(0, HQP)
-        jm = j < HQ
-        packed = tl.load(row_sk[:, None] + c[None, :], mask=valid[:, None], other=0).to(tl.int32)   # [TOK, W]
-        # int4 -> fp16 as in _sketch_score_dot_kernel (0x6400 | u = 1024 + u exactly)
-        lo = ((packed & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-        hi = ((packed >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-        diag = ((c[:, None] // H2) == (j[None, :] // G)) & jm[None, :]
-        q_even = (qp_ptr + b * stride_qb + (j // G)[None, :] * stride_qh + (j % G)[None, :] * stride_qg
-                  + 2 * (c % H2)[:, None])
-        qe = tl.load(q_even, mask=diag, other=0.0).to(tl.float16)    # fp16 q: see _sketch_score_dot_kernel
-        qo = tl.load(q_even + 1, mask=diag, other=0.0).to(tl.float16)
-        s = tl.dot(lo, qe, out_dtype=tl.float32)
-        s = tl.dot(hi, qo, s)                                        # [TOK, HQP]
-        live = valid[:, None] & jm[None, :]
-        sc = tl.load(row_sc[:, None] + (j // G)[None, :], mask=live, other=0.0).to(tl.float32)
-        x = tl.where(live, s * sc * qk_scale, float("-inf"))
-        m = tl.max(x, axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)     # no valid row: l = 0 -> -inf, not nan
-        part = m + tl.log2(tl.sum(tl.exp2(x - m[None, :]), axis=0))
-        tl.store(part_ptr + b * stride_pb + pid * stride_pp + j, part, mask=jm)
-        y = x - tl.where(part == float("-inf"), 0.0, part)[None, :]
-        tl.store(y_ptr + b * stride_yb + t[:, None] * HQ + j[None, :], y.to(tl.float16),
-                 mask=(t < max_len)[:, None] & jm[None, :])
 
     @triton.jit
     def _softmax_combine_kernel(y_ptr, off_ptr, out_ptr, max_len, stride_yb, stride_fb, stride_fp, stride_ob,
@@ -400,62 +383,23 @@ if triton is not None:
             tl.store(out_ptr + b * stride_ob + h * stride_oh + t, o, mask=tm)
 
 
-SOFTMAX_SCRATCH_BYTES = 128 << 20   # the fp16 head scores of one launch; larger batches go in groups of rows
-
-
-def _softmax_dot(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, sm_scale, bpp,
-                 num_warps, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES):
-    """combine="softmax" on tensor cores: pass 1 scores every query head once (fp16 shifted scores
-    [rows, max_len, Hq], 2 bytes per head and token: 48 B per token for 24 heads, against the 136 B of sketch
-    and scales a second scoring pass would read), torch combines the per-tile sums, pass 2 combines. Rows go
-    in groups whose scores fit in `scratch_bytes` (8 x 256K tokens x 24 heads: 98 MB, one group)."""
-    B, Hkv, G, r = qp.shape
-    bs = sketch.shape[1]
-    assert sketch.stride(1) == Hkv * (r // 2) and sketch.stride(2) == r // 2 and sketch.stride(3) == 1
-    assert scale.stride(1) == Hkv and scale.stride(2) == 1
-    assert Hkv * r // 2 >= 16 and (Hkv * r // 2) & (Hkv * r // 2 - 1) == 0, "Hkv * r / 2: a power of two >= 16"
-    nblk = triton.cdiv(max_len, bs)
-    programs = triton.cdiv(nblk, bpp)
-    hqp = max(16, triton.next_power_of_2(Hkv * G))
-    out = torch.empty(B, 1 if shared else Hkv, max_len, dtype=torch.float32, device=qp.device)
-    group = max(1, min(B, scratch_bytes // (max_len * Hkv * G * 2)))
-    y = torch.empty(group, max_len, Hkv * G, dtype=torch.float16, device=qp.device)
-    part = torch.empty(group, programs, Hkv * G, dtype=torch.float32, device=qp.device)
-    for b0 in range(0, B, group):
-        n = min(group, B - b0)
-        _softmax_heads_kernel[(n, programs)](
-            qp[b0:], sketch, scale, block_tables[b0:], seq_lens[b0:], y, part, sinks, recent, max_len,
-            min(nblk, block_tables.shape[1]), sm_scale * 1.4426950408889634, qp.stride(0), qp.stride(1), qp.stride(2),
-            sketch.stride(0), scale.stride(0), block_tables.stride(0), y.stride(0), part.stride(0), part.stride(1),
-            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, HQP=hqp, num_warps=num_warps)
-        p = part[:n]
-        lse = torch.logsumexp(p * 0.6931471805599453, 1, keepdim=True) * 1.4426950408889634   # [n, 1, Hq], base 2
-        off = torch.where(torch.isfinite(p), p - torch.where(torch.isfinite(lse), lse, 0.0), 0.0).contiguous()
-        o = out[b0:]
-        _softmax_combine_kernel[(n, programs)](y, off, o, max_len, y.stride(0), off.stride(0), off.stride(1),
-                                               o.stride(0), o.stride(1), HKV=Hkv, G=G, HQP=hqp, TOK=bpp * bs,
-                                               SHARED=shared, num_warps=num_warps)
-    return out
-
-
 def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                      shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 2,
-                     num_warps: int = 4, two_pass: bool = False) -> torch.Tensor:
+                     num_warps: int = 4, two_pass: bool = False,
+                     scratch_bytes: int = SOFTMAX_SCRATCH_BYTES) -> torch.Tensor:
     """sketch_score on tensor cores (tl.dot, fp16 operands, fp32 accumulation); same meaning as
     sketch_score_ref up to q's fp16 rounding (see the kernel). Needs r % 32 == 0 (tl.dot: K = r/2 >= 16).
-    softmax: `_softmax_dot` (scores stored once as fp16; two_pass=True: the sketch scored twice, nothing
-    stored -- the previous kernel, kept to measure against). bpp (blocks per program) and num_warps: swept on
+    softmax: the sketch scored once, head scores stored in fp16 for pass 2 (see _launch_score); two_pass=True:
+    scored twice, nothing stored (the previous kernel, kept to measure against). bpp (blocks per program) and num_warps: swept on
     an H200 by benchmarks/bench_sketch_score.py."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     qp = _as_groups(qp).contiguous()
     assert qp.shape[-1] % 32 == 0, "tl.dot needs K = r/2 >= 16 (and a power of two)"
-    if combine == "softmax" and not two_pass:
-        return _softmax_dot(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, sm_scale,
-                            bpp, num_warps)
     gp = max(16, triton.next_power_of_2(qp.shape[2]))
     return _launch_score(_sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
-                         max_len, shared, combine, sm_scale, bpp, num_warps, gp)
+                         max_len, shared, combine, sm_scale, bpp, num_warps, gp, store_heads=not two_pass,
+                         scratch_bytes=scratch_bytes)
 
 
 def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,

@@ -156,11 +156,12 @@ def kth_largest_triton(s: torch.Tensor, k: int) -> torch.Tensor:
     return kth
 
 
-def topk_positions_triton(scores: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None) -> torch.Tensor:
+    """kth: the k-th value's function (default kth_largest_triton; kth_largest_torch gives the same)."""
     N = scores.shape[-1]
     s = scores.reshape(-1, N).float().contiguous()
     rows = s.shape[0]
-    kth = kth_largest_triton(s, k)
+    kth = (kth or kth_largest_triton)(s, k)
     CH = 2048
     grid = (rows, triton.cdiv(N, CH))
     counts = torch.empty(rows, grid[1], 2, dtype=torch.int32, device=s.device)
@@ -172,9 +173,9 @@ def topk_positions_triton(scores: torch.Tensor, k: int, fill: int) -> torch.Tens
     return out.view(*scores.shape[:-1], k)
 
 
-def topk_positions(scores: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+def topk_positions(scores: torch.Tensor, k: int, fill: int, kth=None) -> torch.Tensor:
     """Positions of the k best scores above -inf, ascending, int32, padded with `fill` -> [..., k]
     (see topk_positions_torch; the Triton path gives the same tensor)."""
     if triton is not None and (scores.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return topk_positions_triton(scores, k, fill)
+        return topk_positions_triton(scores, k, fill, kth)
     return topk_positions_torch(scores, k, fill)
