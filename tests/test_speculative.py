@@ -139,6 +139,19 @@ def assert_speculation_keeps_tokens(llm, prompts, sp, ref, drafter: str) -> None
     assert got == ref
 
 
+@pytest.mark.parametrize("drafter", ["oracle", "mtp"])
+def test_prompt_remainder_step_without_drafts_keeps_tokens(mtp_ckpt, drafter):
+    """A prompt of 16k + 1 tokens (block size 16) is prefilled up to its last block boundary (a GDN snapshot
+    point), then its last token alone: a step without drafts, whose GDN layers advance the state slots in
+    place. The commit must not replay it from kept verification inputs (it did, stepping the conv state
+    twice: H200 run 30 and sketchkv-on-CPU found it with the GPU test's checkpoint)."""
+    prompts = _prompts((17, 33, 40), 5)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for batch in ([prompts[0]], prompts):
+        ref = [o.token_ids for o in _llm(mtp_ckpt).generate(prompt_token_ids=batch, sampling_params=sp)]
+        assert_speculation_keeps_tokens(_llm(mtp_ckpt, num_speculative_tokens=3), batch, sp, ref, drafter)
+
+
 @pytest.mark.parametrize("n", [3, 7])
 def test_forced_acceptance_multi_token_steps_identical(mtp_ckpt, n):
     """A drafter that is mostly right: steps accept several drafts, sequences in one batch accept

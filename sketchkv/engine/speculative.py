@@ -277,11 +277,14 @@ class Speculator:
         self._hidden, self._row0 = hidden, []
         rows, spans, done = [], [], []
         self._decoding = {}    # seq_id -> first row, for the GDN replay in commit (the rows forward_verify stepped)
+        # forward_verify runs only in a step with drafts (the runner sets ctx.verify then); in a step without
+        # any, the GDN layers advanced the slots in place and there is nothing to replay
+        verifying = any(seq.num_drafts(n) for seq, n in batch)
         end = 0
         for seq, n in batch:
             self._row0.append(end)
             k = seq.num_drafts(n)
-            if decode_rows(seq.num_cached, n, k):   # as Context.decodes: the rows forward_verify stepped
+            if verifying and decode_rows(seq.num_cached, n, k):   # as Context.decodes: the rows forward_verify stepped
                 self._decoding[seq.seq_id] = end
             end += n
             if seq.num_cached + n - k == len(seq):
