@@ -14,8 +14,7 @@ from sketchkv.kv.host_store import HostKVStore, TierStats, positions_to_slots
 from sketchkv.kv.hot_buffer import HotBuffer
 from sketchkv.ops import host_gather as hg
 from sketchkv.ops import quant_kv as qk
-from sketchkv.ops.host_gather import (host_gather, host_gather_ref, host_scatter_rows, host_scatter_rows_ref,
-                                     sort_by_address, sort_by_address_ref)
+from sketchkv.ops.host_gather import host_gather, host_gather_ref, host_scatter_rows, host_scatter_rows_ref
 from conftest import run_interpreter_tests
 
 needs_interp = pytest.mark.skipif(not hg._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreter_child)")
@@ -232,25 +231,6 @@ def test_interp_gather_kernel_vs_ref(fmt, Hkv, D, per_head):
     host_gather(store.rows(0), slots, *out, fmt, drows)
     host_gather(store.rows(0), slots, *srt, fmt, drows, sort=True)
     assert torch.equal(out[0], srt[0]) and torch.equal(out[1], srt[1])
-
-
-@needs_interp
-def test_interp_sort_by_address_kernel_matches_reference():
-    """Per-sequence address order of the tier's misses: segments with -1 holes, repeated rows (stable by
-    index), a segment of holes only, lengths that are not powers of two."""
-    g = torch.Generator().manual_seed(4)
-    for S, N in ((3, 100), (2, 37), (1, 1), (4, 300)):
-        rows = torch.randint(0, 5000, (S, N), generator=g)
-        rows[torch.rand(S, N, generator=g) < 0.4] = -1
-        rows[0, : N // 2] = rows[0, N // 2: 2 * (N // 2)]          # repeats
-        rows[-1] = -1 if S > 1 else rows[-1]
-        got, ref = sort_by_address(rows), sort_by_address_ref(rows)
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (S, N)
-        assert torch.equal(rows.flatten()[ref[1]], ref[0])         # dst_rows point at the sorted rows' origin
-        seg = ref[0].view(S, N)
-        live = seg >= 0
-        assert (live[:, :-1] >= live[:, 1:]).all()                  # holes last
-        assert all((r[r >= 0].diff() >= 0).all() for r in seg)
 
 
 @needs_interp

@@ -543,7 +543,9 @@ def test_tier_verification_graph_steps_give_the_same_tokens(ckpt_with_basis_and_
 def test_tier_shared_verification_selection_covers_the_drafts(ckpt_with_basis_and_mtp, eager_graphs):
     """sparse_verify_selection=shared over the host tier: each verification row reads the first row's
     picks plus the tokens from its recent window up to itself, all resident in the ring (R + n rows).
-    With top-k covering the context that is every token: tokens equal the tier without speculation. A
+    With top-k covering the context that is every token; the few a row reads from the ring where plain
+    decoding reads host rows differ by bf16 rounding only, and these prompts' greedy tokens equal the tier
+    without speculation (with int4 rows they need not: tests/test_gpu_speculative.py). A
     sequence's rows are read from the tier once per step (its last row's positions hold the others'):
     fewer host-tier lookups than per-row verification; the same in verification graphs (emulated)."""
     from test_speculative import assert_speculation_keeps_tokens

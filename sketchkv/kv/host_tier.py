@@ -42,7 +42,7 @@ import torch
 from sketchkv.errors import CapacityError
 from sketchkv.kv.host_store import HostKVStore, TierStats, positions_to_slots
 from sketchkv.kv.hot_buffer import HotBuffer
-from sketchkv.ops.host_gather import host_gather, sort_by_address
+from sketchkv.ops.host_gather import host_gather
 from sketchkv.ops.quant_kv import head_record_bytes
 from sketchkv.ops.tier_gather import compose_rows
 
@@ -211,8 +211,7 @@ class HostTier:
                                        dump_row=self.dump_row, Np=Np)
         kf, vf = k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D)
         rec = torch.empty(B * Np, self.store.row_bytes, dtype=torch.uint8, device=k.device)
-        rows, dst_rows = sort_by_address(miss)   # each sequence's misses in address order: PCIe read locality
-        self.store.gather(layer, rows, kf, vf, dst_rows, raw=rec)
+        self.store.gather(layer, miss.flatten(), kf, vf, sort=True, raw=rec)
         host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
         return k, v, miss, rec.view(B, Np, -1)
 

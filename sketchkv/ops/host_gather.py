@@ -255,7 +255,8 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, s
     device, no sync). Triton on CUDA (src pinned or on the GPU) and under TRITON_INTERPRET=1; the
     reference otherwise. kw: rows_per_program, num_warps (kernel knobs)."""
     if sort:
-        # 32-bit keys (host rows < 2^31): a radix sort of half the passes of int64's
+        # 32-bit keys (host rows < 2^31): a radix sort of half the passes of int64's. (One Triton program per
+        # sequence sorting its picks with tl.sort was slower: 101 against 58 us per layer at 8 x 250K, H200 run 31.)
         rows, perm = torch.sort(rows.to(torch.int32) if src.shape[0] < 2**31 else rows, dim=-1)
         if dst_rows is None:
             dst_rows = perm
@@ -265,48 +266,6 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, s
     if _use_triton(dst_k):
         return host_gather_triton(src, rows.contiguous(), dst_k, dst_v, fmt, dst_rows, raw, **kw)
     return host_gather_ref(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
-
-
-def sort_by_address_ref(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [S, N] host rows per segment (a sequence's picks; < 0: skipped) -> (rows [S * N] int64, each
-    segment ascending, skipped entries last; dst_rows [S * N] int64: where each came from, flat). Ties keep
-    their order."""
-    S, N = rows.shape
-    key = torch.where(rows < 0, torch.iinfo(torch.int32).max, rows.long())
-    key, perm = torch.sort(key, dim=-1, stable=True)
-    out = torch.where(key == torch.iinfo(torch.int32).max, -1, key)
-    return out.flatten(), (perm + torch.arange(S, device=rows.device)[:, None] * N).flatten()
-
-
-if triton is not None:
-
-    @triton.jit
-    def _sort_segments_kernel(rows_ptr, out_ptr, perm_ptr, N, NP: tl.constexpr):
-        # one program per segment: keys (row << 20 | index: unique, so the order is that of a stable sort)
-        # through one in-register bitonic sort; padding (index >= N) sorts after every real entry
-        s = tl.program_id(0).to(tl.int64)
-        i = tl.arange(0, NP)
-        r = tl.load(rows_ptr + s * N + i, mask=i < N, other=-1).to(tl.int64)
-        key = tl.where(r < 0, 0x7FFFFFFF, r)
-        srt = tl.sort((key << 20) | i)
-        k = srt >> 20
-        tl.store(out_ptr + s * N + i, tl.where(k == 0x7FFFFFFF, -1, k), mask=i < N)
-        tl.store(perm_ptr + s * N + i, s * N + (srt & 0xFFFFF), mask=i < N)
-
-
-def sort_by_address(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """sort_by_address_ref, the same tensors: one Triton program per segment on CUDA (and under
-    TRITON_INTERPRET=1) for segments up to 2^16 entries (the tier's: a sequence's picks of one step), where
-    torch.sort over the flat list ran 8 launches, ~58 us per layer at 8 x 250K (H200 run 29)."""
-    S, N = rows.shape
-    if not (triton is not None and _use_triton(rows)) or N > 2**16:
-        return sort_by_address_ref(rows)
-    rows = rows.contiguous()
-    out = torch.empty(S * N, dtype=torch.int64, device=rows.device)
-    perm = torch.empty(S * N, dtype=torch.int64, device=rows.device)
-    if S and N:
-        _sort_segments_kernel[(S,)](rows, out, perm, N, NP=triton.next_power_of_2(N), num_warps=8)
-    return out, perm
 
 
 def host_scatter_rows_triton(dst, slots, src, *, rows_per_program=8, num_warps=4):
