@@ -76,8 +76,9 @@ def test_greedy_tokens_identical_with_mtp_drafts(mtp_ckpt, n):
 @pytest.mark.parametrize("drafter", ["mtp", "oracle"])
 def test_verification_graph_steps_give_the_same_tokens(mtp_ckpt, eager_graphs, drafter):
     """Steady-state verification steps (every sequence: its token + n drafts) replay a verification graph
-    of bucket x (1 + n) rows (emulated eagerly on CPU: the same static buffers, padding and row lists);
-    steps with fewer drafts or prompt chunks stay eager; tokens equal non-speculative decoding."""
+    of bucket x (1 + n) rows (emulated eagerly on CPU: the same static buffers, padding and row lists), and
+    the commit's GDN replay its graph; steps with fewer drafts or prompt chunks stay eager; tokens equal
+    non-speculative decoding."""
     prompts = _prompts((9, 60, 31), 6)
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ref = [o.token_ids for o in _llm(mtp_ckpt, max_num_seqs=4).generate(prompt_token_ids=prompts, sampling_params=sp)]
@@ -87,6 +88,8 @@ def test_verification_graph_steps_give_the_same_tokens(mtp_ckpt, eager_graphs, d
     assert_speculation_keeps_tokens(llm, prompts, sp, ref, drafter)
     replays = {k: type(g).count for k, g in r.verify_graphs.items()}
     assert replays[(False, 4)] > 0, replays   # 3 sequences -> the bucket of 4 (one padded sequence)
+    # the commit's GDN replay from its graphs too (all 1 + n positions, padded rows on the scratch slot)
+    assert sorted(r.replay_graphs) == [1, 2, 4] and sum(type(g).count for g in r.replay_graphs.values()) > 0
 
 
 def _drafts_and_tokens(llm, prompts, sp):

@@ -535,6 +535,7 @@ def test_tier_verification_graph_steps_give_the_same_tokens(ckpt_with_basis_and_
     assert sorted(r.verify_graphs) == [(True, 1), (True, 2), (True, 4)]
     assert_speculation_keeps_tokens(llm, prompts, sp, ref, "oracle")
     assert sum(type(g).count for g in r.verify_graphs.values()) > 0
+    assert sum(type(g).count for g in r.replay_graphs.values()) > 0
     # the same hot-buffer traffic as eager verification (partitions per row, first-row admits)
     got, want = llm.tier_stats(), eager.tier_stats()
     assert (got.hits, got.misses) == (want.hits, want.misses)

@@ -112,6 +112,7 @@ class ModelRunner:
         # decode: (sparse family, batch bucket, blocks per sequence); verification: (sparse family, batch bucket)
         self.graphs: dict[tuple[bool, int, int], torch.cuda.CUDAGraph] = {}
         self.verify_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        self.replay_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the commit's GDN replay, per bucket
         self.state_cache = StateCache(int(cfg.cache.state_cache_gb * 2**30), pin=device.type == "cuda") \
             if self.gdn_layers and cfg.cache.enable_prefix_caching else None
         self.num_state_slots = cfg.scheduler.max_num_seqs + 1  # last slot: scratch for graph padding
@@ -131,6 +132,7 @@ class ModelRunner:
             except RuntimeError as e:  # a decode path that cannot be captured: eager, and say so
                 self.graphs.clear()
                 self.verify_graphs.clear()
+                self.replay_graphs.clear()
                 torch.cuda.synchronize(device)
                 logger.warning("CUDA graph capture failed, decoding eagerly (enforce_eager=True hides this): %s",
                                str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -526,6 +528,7 @@ class ModelRunner:
                 pool = self._capture_verify_graphs(families, sizes, pool)
             except Exception as e:  # out of memory for the rows, a kernel that cannot compile: verification stays eager
                 self.verify_graphs.clear()
+                self.replay_graphs.clear()
                 _sync(dev)
                 logger.warning("CUDA graphs for speculative verification failed, verifying eagerly: %s",
                                str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -614,6 +617,7 @@ class ModelRunner:
         self.v_steps = {bs: VerifyRows([(torch.arange(bs, device=dev) * Q + t, self.v_seq_slots[:bs],
                                          torch.arange(bs, device=dev)) for t in range(Q)])
                         for bs in sizes}   # static row lists, alive as long as the graphs
+        contexts = {}
         for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:
             r = bs * Q
             ctx = Context(cu_seqlens_q=self.v_cu[:r + 1], seq_lens=self.v_lens[:r], slot_mapping=self.v_slot_mapping[:r],
@@ -625,7 +629,49 @@ class ModelRunner:
                 ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
             step = lambda r=r: self.v_out[:r].copy_(self.model(self.v_ids[:r], self.v_pos[:r]))
             self.verify_graphs[(sparse, bs)], pool = self._capture(ctx, step, pool)
+            contexts[bs] = ctx
+        try:
+            pool = self._capture_replay_graphs(sizes, contexts, pool)
+        except Exception as e:  # the verification graphs stay; the commit replays eagerly
+            self.replay_graphs.clear()
+            _sync(dev)
+            logger.warning("CUDA graphs for the speculative commit's GDN replay failed, replaying eagerly: %s",
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
         return pool
+
+    def _capture_replay_graphs(self, sizes, contexts, pool):
+        # The commit's GDN replay (GatedDeltaNet.replay_verified) after a graph verification step: its inputs
+        # are in the layers' static buffers; all 1 + n positions (rows with fewer kept step the scratch slot),
+        # one graph per bucket. Eagerly it is ~6 launches per layer and position (48 x 8 x 6 for the 27B shape
+        # at n = 7), which left most of a 129 ms verification step to launch gaps (H200 run 31).
+        Q, dev = self.num_spec + 1, self.device
+        self.c_rows0 = torch.zeros(max(sizes), dtype=torch.int64, device=dev)
+        self.c_slots = torch.full((max(sizes),), self.scratch_slot, dtype=torch.int64, device=dev)
+        self.c_accepted = torch.zeros(max(sizes), dtype=torch.int64, device=dev)
+        for bs in reversed(sizes):
+            step = lambda bs=bs: [m.replay_verified(self.c_rows0[:bs], self.c_slots[:bs], self.c_accepted[:bs], Q,
+                                                    bs * Q, self.scratch_slot) for m in self.gdn_layers]
+            self.replay_graphs[bs], pool = self._capture(contexts[bs], step, pool)   # (the replay reads no context)
+        return pool
+
+    def replay_commit(self, rows0: list[int], slots: list[int], accepted: list[int], total_rows: int) -> bool:
+        """The commit's GDN replay from a CUDA graph, when the verification step kept its inputs in the static
+        buffers (a graph-sized step) and a bucket holds the sequences; False: replay eagerly."""
+        bucket = min((b for b in self.replay_graphs if b >= len(slots)), default=None)
+        if bucket is None or not self.gdn_layers or total_rows > self.gdn_layers[0].verify_x.shape[0]:
+            return False
+        from sketchkv.engine.speculative import to_device
+        n = len(slots)
+        self.c_rows0[:bucket].zero_()
+        self.c_slots[:bucket].fill_(self.scratch_slot)
+        self.c_accepted[:bucket].zero_()
+        self.c_rows0[:n] = to_device(rows0, torch.int64, self.device)
+        self.c_slots[:n] = to_device(slots, torch.int64, self.device)
+        self.c_accepted[:n] = to_device(accepted, torch.int64, self.device)
+        for m in self.gdn_layers:  # what the eager replay resets on the host side
+            m._kept, m.snapshots = None, {}
+        self.replay_graphs[bucket].replay()
+        return True
 
     def _verify_bucket(self, ctx: Context) -> int | None:
         Q = self.num_spec + 1

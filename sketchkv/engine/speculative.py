@@ -25,7 +25,9 @@ attention layer per block), so sharing, preemption and rollback need no extra bo
 Steady-state verification steps (every sequence: its token + exactly n drafts; up to
 VERIFY_GRAPH_MAX_ROWS rows) replay a CUDA graph of bucket x (1 + n) rows (ModelRunner._replay_verify;
 emulated on CPU in tests, GPU-tested on an H200); other verification steps run eagerly; pure decode
-steps (no drafts) replay the decode graphs. Greedy drafting of n tokens for every sequence replays one
+steps (no drafts) replay the decode graphs. The commit's GDN replay after a step whose inputs sit in the
+static buffers replays one graph per bucket (ModelRunner.replay_commit, all 1 + n positions; emulated on
+CPU, not yet run on a GPU), eagerly when a prefix-cache snapshot falls inside the verified run. Greedy drafting of n tokens for every sequence replays one
 drafter graph per step (MTPDrafter.capture_graphs; one host sync for the drafts); sampled drafting and
 steps with fewer drafts run eagerly. The catch-up pass is eager (one MTP pass over the accepted rows,
 attended as decode rows).
@@ -317,6 +319,9 @@ class Speculator:
                 self.drafted_at[i] += 1
                 self.accepted_at[i] += i < a
         if slots:
+            # snapshot points need copies taken mid-replay: eager
+            if not snapshots and self.runner.replay_commit(rows0, slots, acc, self._rows_total):
+                return
             dev = self.runner.device
             t = lambda x: to_device(x, torch.int64, dev)
             snaps: dict[int, list[int]] = {}
