@@ -169,21 +169,6 @@ if triton is not None:
 
     # triton picks interpreter vs compiler when the kernel is decorated, i.e. at import time
     _INTERPRETED = not isinstance(_decode_split_kernel, triton.runtime.JITFunction)
-
-    if _INTERPRETED:
-        # triton 3.6's interpreter does int(1-element array) for runtime loop bounds, a TypeError
-        # since numpy 2.4 (triton#9171). Same one-line fix as upstream PR #9172; idempotent.
-        from triton.runtime import interpreter as _ti
-
-        if not getattr(_ti._patch_lang_tensor, "_sketchkv_fix", False):
-            _orig_patch = _ti._patch_lang_tensor
-
-            def _patch_lang_tensor(tensor, scope):
-                _orig_patch(tensor, scope)
-                scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-            _patch_lang_tensor._sketchkv_fix = True
-            _ti._patch_lang_tensor = _patch_lang_tensor
 else:
     _INTERPRETED = False
 
