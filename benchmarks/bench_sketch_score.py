@@ -26,7 +26,8 @@ sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse_ops import bench, copy_bw  # noqa: E402
 from sketchkv.ops.sketch import quantize_int4, sketch_score_dot, sketch_score_ref, sketch_score_triton  # noqa: E402
-from sketchkv.ops.topk import kth_largest_torch, kth_largest_triton, topk_positions  # noqa: E402
+from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk_positions,  # noqa: E402
+                               topk_positions_triton)
 
 
 def graphed(fn):
@@ -121,7 +122,7 @@ def main():
     topk = {"k": k, "kth_bitwise_equal": kth_same, "scores_read_floor_us": scores.numel() * 4 / bw * 1e6}
     for name, fn in (("kth_radix", lambda: kth_largest_triton(scores, k)), ("kth_torch", lambda: kth_largest_torch(scores, k)),
                      ("topk_positions", lambda: topk_positions(scores, k, -1)),
-                     ("topk_positions_torch_kth", lambda: topk_positions(scores, k, -1, kth=kth_largest_torch))):
+                     ("topk_positions_torch_kth", lambda: topk_positions_triton(scores, k, -1, kth=kth_largest_torch))):
         topk[name + "_us"] = bench(fn) * 1e6
         topk[name + "_graph_us"] = bench(graphed(fn)) * 1e6
     print(f"top-k {k} over {B} x {max_len} (eager / CUDA graph, us): radix select {topk['kth_radix_us']:.1f} / "

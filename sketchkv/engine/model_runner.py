@@ -665,9 +665,8 @@ class ModelRunner:
         self.c_rows0[:bucket].zero_()
         self.c_slots[:bucket].fill_(self.scratch_slot)
         self.c_accepted[:bucket].zero_()
-        self.c_rows0[:n] = to_device(rows0, torch.int64, self.device)
-        self.c_slots[:n] = to_device(slots, torch.int64, self.device)
-        self.c_accepted[:n] = to_device(accepted, torch.int64, self.device)
+        self.c_rows0[:n], self.c_slots[:n], self.c_accepted[:n] = to_device([rows0, slots, accepted], torch.int64,
+                                                                            self.device)
         for m in self.gdn_layers:  # what the eager replay resets on the host side
             m._kept, m.snapshots = None, {}
         self.replay_graphs[bucket].replay()

@@ -14,8 +14,8 @@ One engine step with speculation on (`num_speculative_tokens` = n > 0):
 3. commit: each sequence's GDN state advances through its kept rows again, from its slot and the
    kept inputs (`GatedDeltaNet.replay_verified`: the same decode kernels, so the same state as the
    verification computed, and no per-position states in memory); the scheduler counts only accepted
-   rows as cached and frees the blocks that only rejected rows used. KV rows of rejected positions stay in kept blocks and are
-   overwritten later (attention never reads past a sequence's length).
+   rows as cached and frees the blocks that only rejected rows used. KV rows of rejected positions
+   stay in kept blocks and are overwritten later (attention never reads past a sequence's length).
 4. catch up: the MTP layer runs over the step's accepted rows (prompt chunks too), on the target's
    hidden states and the next tokens, writing its KV cache and leaving its output at the last row
    for the next step's first draft.
@@ -27,10 +27,10 @@ VERIFY_GRAPH_MAX_ROWS rows) replay a CUDA graph of bucket x (1 + n) rows (ModelR
 emulated on CPU in tests, GPU-tested on an H200); other verification steps run eagerly; pure decode
 steps (no drafts) replay the decode graphs. The commit's GDN replay after a step whose inputs sit in the
 static buffers replays one graph per bucket (ModelRunner.replay_commit, all 1 + n positions; emulated on
-CPU, not yet run on a GPU), eagerly when a prefix-cache snapshot falls inside the verified run. Greedy drafting of n tokens for every sequence replays one
-drafter graph per step (MTPDrafter.capture_graphs; one host sync for the drafts); sampled drafting and
-steps with fewer drafts run eagerly. The catch-up pass is eager (one MTP pass over the accepted rows,
-attended as decode rows).
+CPU, not yet run on a GPU), eagerly when a prefix-cache snapshot falls inside the verified run. Greedy
+drafting of n tokens for every sequence replays one drafter graph per step (MTPDrafter.capture_graphs;
+one host sync for the drafts); sampled drafting and steps with fewer drafts run eagerly. The catch-up
+pass is eager (one MTP pass over the accepted rows, attended as decode rows).
 """
 
 import torch
@@ -322,13 +322,12 @@ class Speculator:
             # snapshot points need copies taken mid-replay: eager
             if not snapshots and self.runner.replay_commit(rows0, slots, acc, self._rows_total):
                 return
-            dev = self.runner.device
-            t = lambda x: to_device(x, torch.int64, dev)
+            rows0_t, slots_t, acc_t = to_device([rows0, slots, acc], torch.int64, self.runner.device)
             snaps: dict[int, list[int]] = {}
             for slot, pos in snapshots:
                 snaps.setdefault(pos, []).append(slot)
             for m in self.runner.gdn_layers:
-                m.replay_verified(t(rows0), t(slots), t(acc), max(acc) + 1, self._rows_total, self.runner.scratch_slot,
+                m.replay_verified(rows0_t, slots_t, acc_t, max(acc) + 1, self._rows_total, self.runner.scratch_slot,
                                   snaps)
 
     def catch_up(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> None:

@@ -56,11 +56,9 @@ class TieredKV:
         # attends over the first `count` of them. Otherwise each row reads its own; the first row of a
         # sequence admits its misses (the hot buffer's CLOCK places one row's misses per partition).
         lasts = ctx.verify_lasts if ctx.verify_leaders is not None and self.verify_shared else None
-        if lasts is not None:
-            k, v, miss, records = self.tier.gather(self.layer, idx[lasts, 0], counts[lasts], block_tables[lasts],
-                                                   seq_lens[lasts], state_slots[lasts])
-        else:
-            k, v, miss, records = self.tier.gather(self.layer, idx[:, 0], counts, block_tables, seq_lens, state_slots)
+        read = slice(None) if lasts is None else lasts   # the rows whose positions the tier reads
+        k, v, miss, records = self.tier.gather(self.layer, idx[read, 0], counts[read], block_tables[read],
+                                               seq_lens[read], state_slots[read])
         B, Np = miss.shape
         nb = Np // ATTN_BLOCK
         tables = (torch.arange(B, device=q.device, dtype=torch.int32)[:, None] * nb

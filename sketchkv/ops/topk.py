@@ -173,9 +173,9 @@ def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None) -> 
     return out.view(*scores.shape[:-1], k)
 
 
-def topk_positions(scores: torch.Tensor, k: int, fill: int, kth=None) -> torch.Tensor:
+def topk_positions(scores: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     """Positions of the k best scores above -inf, ascending, int32, padded with `fill` -> [..., k]
     (see topk_positions_torch; the Triton path gives the same tensor)."""
     if triton is not None and (scores.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return topk_positions_triton(scores, k, fill, kth)
+        return topk_positions_triton(scores, k, fill)
     return topk_positions_torch(scores, k, fill)
