@@ -77,7 +77,7 @@ def main():
 
     kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot2": dot2}
     tiles = {"fma": [(1, 2)] if a.quick else [(1, 2), (1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)],
-             "dot": [(1, 4), (2, 4)] if a.quick else [(1, 4), (2, 4), (2, 8), (4, 8), (1, 8)],
+             "dot": [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)] if a.quick else [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (1, 8)],
              "dot2": [(2, 4)]}
     rows = []
     for name, (q, combine) in cases.items():

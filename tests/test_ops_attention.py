@@ -147,6 +147,46 @@ def test_interp_decode_kernel_batch_shapes(seq_lens, nan_empty):
     torch.testing.assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, bt, lens, 0.2), atol=1e-4, rtol=1e-4)
 
 
+def grouped_rows(lens_last, rows_per_group, device="cpu"):
+    """Query rows in groups (a sequence's verification rows): group g's rows attend to the first
+    lens_last[g] - (rows - 1 - i) tokens of its list -> (row_groups, per-row lengths)."""
+    firsts, lasts, group, lens = [], [], [], []
+    for g, (n, m) in enumerate(zip(lens_last, rows_per_group)):
+        firsts.append(len(lens))
+        lens += [max(1, n - (m - 1 - i)) for i in range(m)]
+        group += [g] * m
+        lasts.append(len(lens) - 1)
+    t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=device)
+    return (t(firsts), t(lasts), t(group), max(rows_per_group)), t(lens, torch.int32)
+
+
+@needs_interp
+@pytest.mark.parametrize("indexed", [False, True])
+def test_interp_decode_kernel_row_groups(indexed, nan_empty):
+    """Rows in groups reading one token list each (K/V tiles loaded once per group) == every row on its
+    own with its group's list (the reference, and the ungrouped kernel)."""
+    lens_last, per_group = [150, 1, 37, 70], [4, 1, 3, 4]   # a one-token group; groups of fewer rows
+    k_cache, v_cache, bt, _, _ = make_paged(lens_last, 2, 32, 16, torch.float32, seed=3)
+    groups, lens = grouped_rows(lens_last, per_group)
+    q = torch.randn(lens.shape[0], 6 * 2, 32)
+    kw = dict(block_n=16, min_split_tokens=16)
+    if indexed:   # ascending picks of each group's tokens; a row reads a prefix of them
+        idx = torch.full((len(lens_last), 1, 160), 2**31 - 1, dtype=torch.int32)
+        for g, n in enumerate(lens_last):
+            idx[g, 0, :n] = torch.arange(n, dtype=torch.int32)
+        from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
+        out = sparse_attention(q, k_cache, v_cache, bt, idx, lens, 0.2, row_groups=groups)
+        ref = sparse_attention_ref(q, k_cache, v_cache, bt[groups[2]], idx[groups[2]], lens, 0.2)
+    else:
+        out = torch.full_like(q, float("nan"))
+        paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.2, out=out, row_groups=groups, **kw)
+        ref = paged_attention_decode_ref(q, k_cache, v_cache, bt[groups[2]], lens, 0.2)
+        alone = paged_attention_decode(q, k_cache, v_cache, bt[groups[2]].contiguous(), lens, 0.2, **kw)
+        torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_interpreter_child():
     run_interpreter_tests(__file__, pa._INTERPRETED)
 
@@ -215,6 +255,20 @@ def test_gpu_decode_real_sizes(bs):
     # bf16: output rounding alone is ~2^-9 relative; P is rounded to bf16 for the P@V tensor-core dot
     # (again 2^-9 per weight, averaging out over the sequence). 1e-2 leaves margin; a wrong block or
     # token gives O(1) error since every key/value is independent noise.
+    assert rel_err_rows(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_row_groups_real_sizes():
+    """8 sequences x 8 verification rows (24 / 4 heads x 256) reading each sequence's rows once == each row
+    alone with its sequence's block table."""
+    lens_last = [100, 4097, 16000, 33333, 65537, 100003, 131072, 3200]
+    k_cache, v_cache, bt, _, _ = make_paged(lens_last, 4, 256, 64, torch.bfloat16, device="cuda")
+    groups, lens = grouped_rows(lens_last, [8] * 8, device="cuda")
+    q = torch.randn(lens.shape[0], 24, 256, device="cuda").bfloat16()
+    out = paged_attention_decode(q, k_cache, v_cache, bt, lens, 256 ** -0.5, row_groups=groups)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, bt[groups[2]], lens, 256 ** -0.5)
     assert rel_err_rows(out, ref) < 1e-2
 
 

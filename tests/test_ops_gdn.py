@@ -23,8 +23,9 @@ from sketchkv.ops.causal_conv1d import (causal_conv1d_decode, causal_conv1d_deco
                                         causal_conv1d_varlen, causal_conv1d_varlen_fla, causal_conv1d_varlen_ref,
                                         conv_state_shape)
 from sketchkv.ops.gated_delta_rule import (gated_delta_rule_decode, gated_delta_rule_decode_fla,
-                                           gated_delta_rule_decode_ref, gated_delta_rule_varlen,
-                                           gated_delta_rule_varlen_ref)
+                                           gated_delta_rule_decode_ref, gated_delta_rule_positions,
+                                           gated_delta_rule_positions_fla, gated_delta_rule_positions_ref,
+                                           gated_delta_rule_varlen, gated_delta_rule_varlen_ref)
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 try:
@@ -228,6 +229,41 @@ def test_conv_short_sequences_keep_old_state():
     assert torch.equal(states[1], torch.cat([before[1][:, 2:], x[1:3].T], -1))
 
 
+def positions_case(N, T, Hk, Hv, Dk, Dv, dtype=torch.float32, device="cpu", num_slots=S, seed=0):
+    """Inputs [N, T, ...] for gated_delta_rule_positions, N slots to start from, and store slots that keep
+    one position per sequence (the replay) with the last slot as the scratch sink."""
+    q, k, v, g, beta, states = gdn_inputs(N * T, Hk, Hv, Dk, Dv, dtype, device, seed=seed, num_slots=num_slots)
+    q, k, v, g, beta = (x.view(N, T, *x.shape[1:]) for x in (q, k, v, g, beta))
+    slots = torch.randperm(num_slots - 1, generator=torch.Generator().manual_seed(seed))[:N].to(device)
+    kept = torch.randint(0, T, (N,), generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    store = torch.where(torch.arange(T, device=device)[None] == kept[:, None], slots[:, None], num_slots - 1)
+    return q, k, v, g, beta, states, slots, kept, store
+
+
+def stepwise_positions(decode, q, k, v, g, beta, states, slots, kept):
+    """T one-token calls on a copy of the states (what gated_delta_rule_positions replaces): outputs and
+    each sequence's state after its kept position."""
+    N, T = q.shape[:2]
+    work = states[slots].clone()
+    local = torch.arange(N, device=q.device)
+    outs, want = [], states.clone()
+    for t in range(T):
+        outs.append(decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], work, local))
+        hit = kept == t
+        want[slots[hit]] = work[hit]
+    return torch.stack(outs, 1), want
+
+
+def test_gdn_positions_ref_is_stepwise_decode():
+    q, k, v, g, beta, states, slots, kept, store = positions_case(3, 4, 2, 4, 16, 8)
+    o_want, st_want = stepwise_positions(gated_delta_rule_decode_ref, q, k, v, g, beta, states, slots, kept)
+    before = states.clone()
+    o = gated_delta_rule_positions(q, k, v, g, beta, states, slots, store)
+    assert torch.equal(o, o_want)
+    assert torch.equal(states[slots], st_want[slots])
+    assert untouched(states, before, slots.tolist() + [S - 1])   # the scratch sink is the only other write
+
+
 # --- fla under the triton interpreter (CPU) -------------------------------------------------------
 
 @pytest.mark.skipif(INTERP, reason="already inside the interpreter child")
@@ -238,7 +274,7 @@ def test_fla_interpreter_child():
                        env=env, capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "3 passed" in out and "skipped" not in out, out[-4000:]  # the child must really run them
+    assert "4 passed" in out and "skipped" not in out, out[-4000:]  # the child must really run them
 
 
 @needs_interp
@@ -275,6 +311,21 @@ def test_interp_gdn_decode_fla():
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, st_ref, atol=1e-5, rtol=1e-5)
     assert untouched(states, st_ref, SLOTS)
+
+
+@needs_interp
+def test_interp_gdn_positions_fla():
+    """fla, all positions in one call == fla one token at a time, bitwise (outputs and kept states)."""
+    q, k, v, g, beta, states, slots, kept, store = positions_case(3, 4, 2, 4, 16, 8)
+    o_want, st_want = stepwise_positions(gated_delta_rule_decode_fla, q, k, v, g, beta, states, slots, kept)
+    before = states.clone()
+    o = gated_delta_rule_positions_fla(q, k, v, g, beta, states, slots, store)
+    assert torch.equal(o, o_want)
+    assert torch.equal(states[slots], st_want[slots])
+    assert untouched(states, before, slots.tolist() + [S - 1])
+    st_ref = before.clone()
+    torch.testing.assert_close(o, gated_delta_rule_positions_ref(q, k, v, g, beta, st_ref, slots, store),
+                               atol=1e-5, rtol=1e-5)
 
 
 # --- GPU, real sizes ------------------------------------------------------------------------------
@@ -348,6 +399,20 @@ def test_gpu_gdn_decode():
     assert e_glob < 5e-3 and e_row < 1e-2, (e_glob, e_row)
     torch.testing.assert_close(states, st_ref, atol=1e-4, rtol=1e-4)
     assert untouched(states, st_ref, GPU_SLOTS)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_gdn_positions_is_stepwise_decode():
+    """8 positions x 8 sequences in one fla call == 8 one-token fla calls, bitwise, at real head sizes (bf16)."""
+    q, k, v, g, beta, states, slots, kept, store = positions_case(8, 8, HK, HV, DK, DV, torch.bfloat16, "cuda",
+                                                                  num_slots=16)
+    o_want, st_want = stepwise_positions(gated_delta_rule_decode, q, k, v, g, beta, states, slots, kept)
+    before = states.clone()
+    o = gated_delta_rule_positions(q, k, v, g, beta, states, slots, store)
+    assert torch.equal(o, o_want)
+    assert torch.equal(states[slots], st_want[slots])
+    assert untouched(states, before, slots.tolist() + [15])
 
 
 @pytest.mark.gpu

@@ -157,15 +157,15 @@ def dot_error_bound(q, packed, scale, geo, shared, combine, sm, q_in_fp16: bool)
     """How far the tensor-core scores may lie from the fp32 reference. Rounding q to fp16 moves each element
     by <= 2^-11 relative, so a score by <= 2^-11 * sum_r |k_r q_r| (summed over the combined heads: bounds
     sum and max), and a softmax log-mass by <= 2 * sm_scale * the largest score move (lse moves by at most
-    that, too). softmax also stores each head's score shifted by its tile's log2-sum (|y| <= 2 * sm * log2(e)
-    * the largest |score| + log2(tile rows <= 256)) in fp16: <= 2^-11 |y| per head, and the log-sum-exp over
-    the heads is 1-Lipschitz, so <= ln 2 * 2^-11 * max |y| on the result (in nats)."""
+    that, too). softmax also stores each head's score in fp16 (log2 units, |y| <= sm * log2(e) * the largest
+    |score|): <= 2^-11 |y| per head, its log-sum-exp total moves by at most as much, and the log-sum-exp over the
+    heads is 1-Lipschitz, so <= 2 * 2^-11 * sm * the largest |score| on the result (in nats)."""
     mag = sketch_score_ref(q.abs(), _abs_sketch(packed), scale, *geo, shared, "sum")
     if combine != "softmax":
         return torch.zeros_like(mag) if q_in_fp16 else 2.0 ** -11 * mag
     all_heads = sketch_score_ref(q.abs(), _abs_sketch(packed), scale, *geo, True, "sum")
     row_max = all_heads.nan_to_num(neginf=0.0).amax((1, 2), keepdim=True).expand_as(mag)
-    stored = 2 * sm * row_max + 0.6931471805599453 * 8
+    stored = 2 * sm * row_max
     return 2.0 ** -11 * (stored if q_in_fp16 else stored + 2 * sm * row_max)
 
 

@@ -20,6 +20,10 @@ class VerifyRows:
     other_rows: torch.Tensor | None = None          # rows of the other sequences (prefill chunks), varlen as usual
     other_slots: torch.Tensor | None = None
     other_cu: torch.Tensor | None = None
+    # every row belongs to a decoding sequence with exactly `regular` rows, sequence-major (the verification
+    # graphs' layout): the layers may view the rows as [sequences, regular] and step all positions at once
+    regular: int = 0
+    scratch_slot: int = -1                          # a state slot whose content nobody reads (write sink)
 
 
 @dataclass

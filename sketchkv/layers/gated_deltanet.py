@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from sketchkv.engine.context import get_context
 from sketchkv.layers.norms import GatedRMSNorm
 from sketchkv.models.fuse import fuse_linears
-from sketchkv.ops.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen, conv_state_shape
-from sketchkv.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_varlen
+from sketchkv.ops.causal_conv1d import (causal_conv1d_decode, causal_conv1d_decode_rows, causal_conv1d_varlen,
+                                        conv_state_shape)
+from sketchkv.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_positions, gated_delta_rule_varlen
 from sketchkv.ops.gdn_gates import gdn_gates
 
 
@@ -33,8 +34,8 @@ class GatedDeltaNet(nn.Module):
         # Bound by the model runner: one row per sequence slot
         self.conv_state = self.ssm_state = torch.tensor([])
         # Speculative decoding: the verification step's inputs, kept for `replay_verified` (see forward_verify):
-        # [rows, conv_dim] pre-conv rows, [rows, Hv] gates; allocated by the runner (allocate_verify)
-        self.verify_x = self.verify_g = self.verify_beta = torch.tensor([])
+        # [rows, conv_dim] pre- and post-conv rows, [rows, Hv] gates; allocated by the runner (allocate_verify)
+        self.verify_x = self.verify_y = self.verify_g = self.verify_beta = torch.tensor([])
         self._kept = None          # an eager step's own tensors when it has more rows than the buffers
         self.snapshots: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.in_proj = None  # fused [qkv; z; b; a] weight, see models/fuse.py
@@ -46,11 +47,12 @@ class GatedDeltaNet(nn.Module):
         """Buffers for the inputs of verification steps of up to `rows` rows (the verification graphs' bound);
         larger (eager) steps keep their own tensors until the commit."""
         self.verify_x = torch.zeros(rows, self.conv_dim, dtype=dtype, device=device)
+        self.verify_y = torch.zeros(rows, self.conv_dim, dtype=dtype, device=device)
         self.verify_g = torch.zeros(rows, self.num_v_heads, dtype=torch.float32, device=device)
         self.verify_beta = torch.zeros(rows, self.num_v_heads, dtype=dtype, device=device)
 
     def verify_buffer_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.verify_x, self.verify_g, self.verify_beta))
+        return sum(t.numel() * t.element_size() for t in (self.verify_x, self.verify_y, self.verify_g, self.verify_beta))
 
     def state_shapes(self) -> tuple[tuple, tuple]:
         """Per-slot (conv, recurrent) state shapes; the recurrent state is kept in fp32."""
@@ -86,29 +88,37 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, self.value_dim))
 
     def forward_verify(self, qkv, z, g, beta, w, ctx) -> torch.Tensor:
-        """A step with draft tokens. Decoding sequences advance one position at a time (the decode kernels,
-        as plain decoding) on a transient copy of their states, so their slots keep the state from before
-        the step; the step's inputs (pre-conv rows, gates) are kept, and `replay_verified` then runs each
-        sequence's accepted positions again from its slot: the same kernels on the same inputs, so the
-        state is bitwise the one the verification computed, and no per-position states are stored (they
-        cost n x the state per sequence: 1.08 GB per agent for the 27B shape at n = 7). Other sequences
+        """A step with draft tokens. Decoding sequences advance through their positions (the decode kernels'
+        arithmetic, as plain decoding) without touching their slots, which keep the state from before the
+        step; the step's inputs (pre- and post-conv rows, gates) are kept, and `replay_verified` then advances
+        each sequence's slot through its accepted positions from them: the same arithmetic on the same inputs,
+        so the state is bitwise the one the verification computed, and no per-position states are stored
+        (they cost n x the state per sequence: 1.08 GB per agent for the 27B shape at n = 7). Other sequences
         (prompt chunks) run varlen in place, as usual. -> gated output [T * Hv, Dv]."""
         vr, T = ctx.verify, qkv.shape[0]
-        if T <= self.verify_x.shape[0]:
-            self.verify_x[:T].copy_(qkv)
-            self.verify_g[:T].copy_(g)
-            self.verify_beta[:T].copy_(beta)
-        else:  # an eager step larger than the graphs' bound
-            assert not (qkv.is_cuda and torch.cuda.is_current_stream_capturing())
-            self._kept = (qkv, g, beta)
+        seq_slots = vr.steps[0][1]          # every decoding sequence has a row at position 0
+        conv_work = self.conv_state[seq_slots]      # transient copy (the recurrent state is read in place)
+        if vr.regular:  # [N, Q] rows: one conv step per position on strided views, one recurrence call
+            N, Q = T // vr.regular, vr.regular
+            xv = qkv.view(N, Q, -1)
+            y = torch.stack([causal_conv1d_decode_rows(xv[:, t], w, None, conv_work) for t in range(Q)], 1)
+            y = y.view(T, -1)
+            self._keep(qkv, y, g, beta)
+            q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            sink = torch.full((N, Q), vr.scratch_slot, dtype=torch.int64, device=qkv.device)
+            o = gated_delta_rule_positions(q.reshape(N, Q, self.num_k_heads, self.head_k_dim),
+                                           k.reshape(N, Q, self.num_k_heads, self.head_k_dim),
+                                           v.reshape(N, Q, self.num_v_heads, self.head_v_dim), g.view(N, Q, -1),
+                                           beta.view(N, Q, -1), self.ssm_state, seq_slots, sink)
+            return self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         y = torch.empty_like(qkv)
         if vr.other_rows is not None:
             y[vr.other_rows] = causal_conv1d_varlen(qkv[vr.other_rows], w, None, self.conv_state, vr.other_slots,
                                                     vr.other_cu)
-        seq_slots = vr.steps[0][1]          # every decoding sequence has a row at position 0
-        conv_work, ssm_work = self.conv_state[seq_slots], self.ssm_state[seq_slots]   # transient copies
+        ssm_work = self.ssm_state[seq_slots]
         for rows, _, local in vr.steps:
             y[rows] = causal_conv1d_decode(qkv[rows], w, None, conv_work, local)
+        self._keep(qkv, y, g, beta)
         q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
@@ -121,18 +131,47 @@ class GatedDeltaNet(nn.Module):
             o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_work, local)
         return self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
 
+    def _keep(self, x, y, g, beta) -> None:
+        T = x.shape[0]
+        if T <= self.verify_x.shape[0]:
+            for buf, t in zip((self.verify_x, self.verify_y, self.verify_g, self.verify_beta), (x, y, g, beta)):
+                buf[:T].copy_(t)
+        else:  # an eager step larger than the graphs' bound
+            assert not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+            self._kept = (x, y, g, beta)
+
     def replay_verified(self, rows0: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, positions: int,
                         total_rows: int, scratch_slot: int, snapshots: dict[int, list[int]] | None = None) -> None:
         """After a verification step: advance each decoding sequence's slot through its kept positions
         0..accepted[i] (its token + the accepted drafts) from the step's kept inputs. rows0 [B]: the
-        sequence's first row in the step; positions: max(accepted) + 1. A sequence with fewer positions
-        steps the scratch slot instead (fixed shapes). snapshots {t: [slots]}: keep copies of those slots'
-        states after position t (prefix-cache snapshots inside the verified run) in `self.snapshots`."""
-        x, g, beta = (self.verify_x, self.verify_g, self.verify_beta) if total_rows <= self.verify_x.shape[0] \
-            else self._kept
+        sequence's first row in the step; positions: max(accepted) + 1 (or more). Fixed shapes: positions past
+        a sequence's last kept one write the scratch slot. The conv state is the last W inputs, so it is
+        gathered from the old state and the kept pre-conv rows; the recurrence runs all positions in one call
+        and writes each slot once, at its last kept position. snapshots {t: [slots]}: keep copies of those
+        slots' states after position t (prefix-cache snapshots inside the verified run) in `self.snapshots`:
+        the step-by-step replay."""
+        x, y, g, beta = (self.verify_x, self.verify_y, self.verify_g, self.verify_beta) \
+            if total_rows <= self.verify_x.shape[0] else self._kept
         self._kept = None
-        w = self.conv1d.weight.squeeze(1)
         self.snapshots = {}
+        if snapshots:
+            return self._replay_stepwise(x, g, beta, rows0, slots, accepted, positions, scratch_slot, snapshots)
+        N, W = slots.shape[0], self.conv_kernel
+        t = torch.arange(positions, device=slots.device)
+        rows = rows0[:, None] + torch.minimum(t[None], accepted[:, None])           # [N, positions]
+        old = self.conv_state[slots]                                                  # [N, D, W]
+        window = torch.cat([old, x[rows].transpose(1, 2).to(old.dtype)], 2)          # [N, D, W + positions]
+        last = (accepted[:, None] + 1 + torch.arange(W, device=slots.device))[:, None].expand(-1, old.shape[1], -1)
+        self.conv_state[slots] = window.gather(2, last)
+        q, k, v = torch.split(y[rows], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        keep = torch.where(t[None] == accepted[:, None], slots[:, None], scratch_slot)
+        gated_delta_rule_positions(q.reshape(N, positions, self.num_k_heads, self.head_k_dim),
+                                   k.reshape(N, positions, self.num_k_heads, self.head_k_dim),
+                                   v.reshape(N, positions, self.num_v_heads, self.head_v_dim), g[rows], beta[rows],
+                                   self.ssm_state, slots, keep)
+
+    def _replay_stepwise(self, x, g, beta, rows0, slots, accepted, positions, scratch_slot, snapshots) -> None:
+        w = self.conv1d.weight.squeeze(1)
         for t in range(positions):
             rows = rows0 + accepted.clamp(max=t)
             s = torch.where(accepted >= t, slots, scratch_slot)
@@ -143,5 +182,5 @@ class GatedDeltaNet(nn.Module):
                                     k.reshape(n, self.num_k_heads, self.head_k_dim),
                                     v.reshape(n, self.num_v_heads, self.head_v_dim), g[rows], beta[rows],
                                     self.ssm_state, s)
-            for slot in (snapshots or {}).get(t, []):
+            for slot in snapshots.get(t, []):
                 self.snapshots[(slot, t)] = (self.conv_state[slot].clone(), self.ssm_state[slot].clone())

@@ -54,7 +54,10 @@ class SparseAttention(Attention):
         max_len = block_tables.shape[1] * self.k_cache.shape[1] if graph else max_seq_len
         idx, counts = self.select(q, block_tables, seq_lens, max_len)
         self.last_indices = (idx, counts)
-        return sparse_attention(q, self.k_cache, self.v_cache, block_tables, idx, counts, self.scale)
+        groups = self.verify_groups(get_context())
+        if groups is not None:  # one read of each sequence's rows for all of its verification rows
+            block_tables, idx = block_tables[groups[1]], idx[groups[1]]
+        return sparse_attention(q, self.k_cache, self.v_cache, block_tables, idx, counts, self.scale, groups)
 
     def selection_query(self, q: torch.Tensor) -> torch.Tensor:
         """The query the selector scores with (the selector interface; QSA layers use their index queries)."""
@@ -86,6 +89,13 @@ class SparseAttention(Attention):
     def verify_shared(self) -> bool:
         """Verification rows of a sequence attend to nested sets (see select): the host tier reads them once."""
         return self.cfg.verify_selection == "shared"
+
+    def verify_groups(self, ctx):
+        """The decode kernel's row_groups in a verification step with one selection per sequence (its rows
+        attend to prefixes of its last row's list), else None."""
+        if ctx.verify_leaders is None or not self.verify_shared:
+            return None
+        return ctx.verify_leaders, ctx.verify_lasts, ctx.verify_group, self.verify_extra + 1
 
     def select(self, q, block_tables, seq_lens, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> token positions [B, Hsel, S + k + R] sorted ascending (SENTINEL-padded) and counts [B]. In a

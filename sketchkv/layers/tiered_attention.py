@@ -53,7 +53,8 @@ class TieredKV:
         self.last_indices = (idx, counts)
         # verification with one selection per sequence: its rows' positions are nested (each row's are a prefix
         # of its last row's, ascending), so the tier reads the last row's once and every row of the sequence
-        # attends over the first `count` of them. Otherwise each row reads its own; the first row of a
+        # attends over the first `count` of them (the decode kernel reads each K/V tile once for all of a
+        # sequence's rows: row_groups). Otherwise each row reads its own; the first row of a
         # sequence admits its misses (the hot buffer's CLOCK places one row's misses per partition).
         lasts = ctx.verify_lasts if ctx.verify_leaders is not None and self.verify_shared else None
         read = slice(None) if lasts is None else lasts   # the rows whose positions the tier reads
@@ -65,7 +66,9 @@ class TieredKV:
                   + torch.arange(nb, device=q.device, dtype=torch.int32)[None])
         out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                     tables if lasts is None else tables[ctx.verify_group], counts, self.scale)
+                                     tables, counts, self.scale,
+                                     row_groups=None if lasts is None else (ctx.verify_leaders, lasts, ctx.verify_group,
+                                                                            self.verify_extra + 1))
         if lasts is not None:
             pids = pids[lasts]
         elif ctx.verify_leaders is not None:

@@ -55,9 +55,8 @@ def causal_conv1d_varlen_fla(x, weight, bias, states, state_slots, cu_seqlens):
 
 
 def causal_conv1d_decode_fla(x, weight, bias, states, state_slots):
-    from fla.modules.causal_conv1d import causal_conv1d_update
     cache = states[state_slots]  # fla updates batch row n of its cache in place
-    y, _ = causal_conv1d_update(x, cache, weight=weight, bias=bias, activation="silu")
+    y = causal_conv1d_decode_rows(x, weight, bias, cache)
     states[state_slots] = cache
     return y
 
@@ -68,6 +67,15 @@ def causal_conv1d_varlen(x, weight, bias, states, state_slots, cu_seqlens):
     if x.is_cuda:
         return causal_conv1d_varlen_fla(x, weight, bias, states, state_slots, cu_seqlens)
     return causal_conv1d_varlen_ref(x, weight, bias, states, state_slots, cu_seqlens)
+
+
+def causal_conv1d_decode_rows(x, weight, bias, cache):
+    """causal_conv1d_decode with the states in batch order: x [N, D] (rows may be strided), cache [N, D, W]
+    updated in place (no gather / scatter through slots)."""
+    if x.is_cuda:
+        from fla.modules.causal_conv1d import causal_conv1d_update
+        return causal_conv1d_update(x, cache, weight=weight, bias=bias, activation="silu")[0]
+    return causal_conv1d_decode_ref(x, weight, bias, cache, torch.arange(x.shape[0], device=x.device))
 
 
 def causal_conv1d_decode(x, weight, bias, states, state_slots):

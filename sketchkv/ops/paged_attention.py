@@ -56,15 +56,20 @@ def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
 if triton is not None:
 
     @triton.jit
-    def _split_plan(lens_ptr, b, B, max_splits, split_target,
-                    BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, MIN_TILES: tl.constexpr):
+    def _split_plan(lens_ptr, last_ptr, b, B, max_splits, split_target,
+                    BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, MIN_TILES: tl.constexpr, GROUPED: tl.constexpr):
         """(seq_len, splits used, tiles per split) of sequence b; the same in both kernels.
         Tiles per split come from the whole batch's tile count so the splits over all sequences
-        number <= split_target + B (the host sizes that to one wave of programs)."""
+        number <= split_target + B (the host sizes that to one wave of programs).
+        GROUPED: b is a group of rows, planned by its last row (whose tokens cover the others')."""
         offs = tl.arange(0, B_PAD)
-        lens = tl.load(lens_ptr + offs, mask=offs < B, other=0)
+        if GROUPED:
+            lens = tl.load(lens_ptr + tl.load(last_ptr + offs, mask=offs < B, other=0), mask=offs < B, other=0)
+            seq_len = tl.load(lens_ptr + tl.load(last_ptr + b))
+        else:
+            lens = tl.load(lens_ptr + offs, mask=offs < B, other=0)
+            seq_len = tl.load(lens_ptr + b)
         total = tl.sum((lens + BLOCK_N - 1) // BLOCK_N, 0)
-        seq_len = tl.load(lens_ptr + b)
         n_tiles = tl.cdiv(seq_len, BLOCK_N)
         per = tl.maximum(tl.cdiv(total, split_target), MIN_TILES)
         n_used = tl.minimum(tl.cdiv(n_tiles, per), max_splits)
@@ -73,38 +78,52 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, mo_ptr, mlse_ptr, idx_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, mo_ptr, mlse_ptr, idx_ptr, first_ptr, last_ptr,
         qk_scale, B, max_splits, split_target,
         stride_qb, stride_qh,
         stride_kn, stride_kt, stride_kh,
         stride_vn, stride_vt, stride_vh,
         stride_btb, stride_ib, stride_ih,
-        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+        G: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, MIN_TILES: tl.constexpr,
-        UPCAST: tl.constexpr, INDEXED: tl.constexpr,
+        UPCAST: tl.constexpr, INDEXED: tl.constexpr, QR: tl.constexpr, GROUPED: tl.constexpr,
     ):
+        # GROUPED: program (group b, kv head, split) serves the up to QR query rows first[b]..last[b] that
+        # attend to prefixes of one token list (block table / index row b): row r to its first seq_lens[r]
+        # entries. Each K/V tile is loaded once for all of them: M = QR * G query vectors in one dot
+        # (speculative verification with one selection per sequence: 1 + n rows read their picks once).
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
-        seq_len, n_used, per = _split_plan(lens_ptr, b, B, max_splits, split_target, BLOCK_N, B_PAD, MIN_TILES)
+        seq_len, n_used, per = _split_plan(lens_ptr, last_ptr, b, B, max_splits, split_target, BLOCK_N, B_PAD,
+                                           MIN_TILES, GROUPED)
         Hq = tl.num_programs(1) * G
         t_lo = s * per * BLOCK_N
         t_hi = tl.minimum(t_lo + per * BLOCK_N, seq_len)
-        offs_g = tl.arange(0, G_PAD)
+        offs_m = tl.arange(0, M_PAD)
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
-        heads = kvh * G + offs_g
+        if GROUPED:
+            first = tl.load(first_ptr + b)
+            last = tl.load(last_ptr + b)
+        else:
+            first = b
+            last = b
+        row = first + offs_m // G
+        heads = kvh * G + offs_m % G
         # programs past this sequence's split count get an empty token range; masks keep them from
         # loading q or storing anything
-        gmask = (offs_g < G) & (s < n_used)
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        gmask = (offs_m < QR * G) & (row <= last) & (s < n_used)
+        q = tl.load(q_ptr + row[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=gmask[:, None], other=0.0)
+        if GROUPED:
+            cnt = tl.load(lens_ptr + row, mask=gmask, other=0)
         if UPCAST:  # interpreter: numpy has no bf16 matmul
             q = q.to(tl.float32)
 
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
+        m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([M_PAD], tl.float32)
+        acc = tl.zeros([M_PAD, D], tl.float32)
         for t0 in range(t_lo, t_hi, BLOCK_N):
             t = t0 + offs_n
             tmask = t < t_hi
@@ -123,10 +142,16 @@ if triton is not None:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain (scale * log2(e) folded in)
-            qk = tl.where(tmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: tile has >= 1 valid token
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
+            if GROUPED:  # a row past its own count sees nothing of this tile: keep its max finite
+                qk = tl.where(tmask[None, :] & (t[None, :] < cnt[:, None]), qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                qk = tl.where(tmask[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: tile has >= 1 valid token
+                m_use = m_new
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -135,19 +160,21 @@ if triton is not None:
         nonempty = l_i > 0
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        row = (b * Hq + heads) * max_splits + s  # mid buffers are [B, Hq, max_splits(, D)] contiguous
-        tl.store(mlse_ptr + row, lse, mask=gmask)
-        tl.store(mo_ptr + row[:, None] * D + offs_d[None, :], o, mask=gmask[:, None])
+        mid = (row * Hq + heads) * max_splits + s  # mid buffers are [rows, Hq, max_splits(, D)] contiguous
+        tl.store(mlse_ptr + mid, lse, mask=gmask)
+        tl.store(mo_ptr + mid[:, None] * D + offs_d[None, :], o, mask=gmask[:, None])
 
     @triton.jit
     def _decode_reduce_kernel(
-        mo_ptr, mlse_ptr, out_ptr, lens_ptr, B, max_splits, split_target, stride_ob, stride_oh,
+        mo_ptr, mlse_ptr, out_ptr, lens_ptr, group_ptr, last_ptr, B, max_splits, split_target, stride_ob, stride_oh,
         D: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, MIN_TILES: tl.constexpr,
-        CHUNK: tl.constexpr,
+        CHUNK: tl.constexpr, GROUPED: tl.constexpr,
     ):
-        b = tl.program_id(0)
+        b = tl.program_id(0)   # a query row
         h = tl.program_id(1)
-        _, n_used, _ = _split_plan(lens_ptr, b, B, max_splits, split_target, BLOCK_N, B_PAD, MIN_TILES)
+        plan = tl.load(group_ptr + b) if GROUPED else b
+        _, n_used, _ = _split_plan(lens_ptr, last_ptr, plan, B, max_splits, split_target, BLOCK_N, B_PAD, MIN_TILES,
+                                   GROUPED)
         base = (b * tl.num_programs(1) + h) * max_splits
         offs_c = tl.arange(0, CHUNK)
         offs_d = tl.arange(0, D)
@@ -187,22 +214,32 @@ def _wave(device):
 
 def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None,
                                   max_splits=None, split_target=None, min_split_tokens=128,
-                                  block_n=None, num_warps=4, num_stages=2, indices=None):
+                                  block_n=None, num_warps=None, num_stages=2, indices=None, row_groups=None):
     """max_splits: most splits one sequence may use (the grid's 3rd dim). split_target: splits over
     the whole batch per kv head, sized so all programs fit one wave (a partial second wave nearly
     doubles the time). min_split_tokens: shorter splits cost more in the merge than they gain.
     All three default from shapes only, so one captured graph serves any seq_lens.
     indices: [B, 1 or Hkv, N] int32 token positions (sparse decode); then seq_lens[b] counts the
-    valid entries of row b and the kernel attends to exactly those tokens."""
-    B, Hq, D = q.shape
+    valid entries of row b and the kernel attends to exactly those tokens.
+    row_groups (firsts, lasts, group, most_rows): the query rows come in groups firsts[g]..lasts[g] (at most
+    most_rows each; group [rows]: each row's g) that attend to prefixes of one token list: block_tables / indices then have one row per
+    group, seq_lens one entry per query row (row r attends to the first seq_lens[r] tokens of its group's
+    list, the last row of a group to the most), and each K/V tile is read once per group."""
+    R, Hq, D = q.shape
+    firsts, lasts, group, most_rows = row_groups if row_groups is not None else (seq_lens, seq_lens, seq_lens, 1)
+    B = firsts.shape[0] if row_groups is not None else R   # programs' sequences: groups, or rows
     _, block_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0
     assert 16 <= D <= 256 and D & (D - 1) == 0, "head_dim must be a power of two in [16, 256]"
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
-    assert block_tables.stride(-1) == 1 and seq_lens.is_contiguous() and seq_lens.shape == (B,)
+    assert block_tables.stride(-1) == 1 and seq_lens.is_contiguous() and seq_lens.shape == (R,)
+    assert block_tables.shape[0] >= B
     G = Hq // Hkv
+    m_pad = max(16, triton.next_power_of_2(G * most_rows))
+    if num_warps is None:
+        num_warps = 4 if m_pad <= 16 else 8   # [M, D] fp32 accumulator: 64 x 256 is 128 registers at 4 warps
     if block_n is None:
         block_n = 32 if D > 128 else 64  # bounds registers for the K and V tiles
     min_tiles = triton.cdiv(min_split_tokens, block_n)
@@ -212,8 +249,8 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         max_splits = max(1, min(wave, triton.cdiv(capacity, min_tiles * block_n)))
     if split_target is None:
         split_target = max(1, wave - B)  # sum_b ceil(tiles_b / per) <= split_target + B
-    mid_o = torch.empty(B, Hq, max_splits, D, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(B, Hq, max_splits, dtype=torch.float32, device=q.device)
+    mid_o = torch.empty(R, Hq, max_splits, D, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(R, Hq, max_splits, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
@@ -224,27 +261,38 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     stride_ib = indices.stride(0) if indices is not None else 0
     stride_ih = indices.stride(1) if indices is not None and indices.shape[1] > 1 else 0
     _decode_split_kernel[(B, Hkv, max_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, idx,
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, idx, firsts, lasts,
         scale * 1.4426950408889634, B, max_splits, split_target,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), stride_ib, stride_ih,
-        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D,
+        G=G, M_PAD=m_pad, D=D,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, B_PAD=B_PAD, MIN_TILES=min_tiles, UPCAST=_INTERPRETED,
-        INDEXED=indices is not None, num_warps=num_warps, num_stages=num_stages,
+        INDEXED=indices is not None, QR=most_rows, GROUPED=row_groups is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
-    _decode_reduce_kernel[(B, Hq)](
-        mid_o, mid_lse, out, seq_lens, B, max_splits, split_target, out.stride(0), out.stride(1),
-        D=D, BLOCK_N=block_n, B_PAD=B_PAD, MIN_TILES=min_tiles, CHUNK=16, num_warps=4,
+    _decode_reduce_kernel[(R, Hq)](
+        mid_o, mid_lse, out, seq_lens, group, lasts, B, max_splits, split_target, out.stride(0), out.stride(1),
+        D=D, BLOCK_N=block_n, B_PAD=B_PAD, MIN_TILES=min_tiles, CHUNK=16, GROUPED=row_groups is not None,
+        num_warps=4,
     )
     return out
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, **kw):
+def expand_row_groups(table, row_groups):
+    """A per-group tensor (block tables, index lists) repeated for every query row of its group: what the
+    reference paths take."""
+    return table[row_groups[2]]
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, row_groups=None, **kw):
     """Decode attention, q [B, Hq, D] -> [B, Hq, D]. Triton on CUDA or under TRITON_INTERPRET=1
     (kw: the kernel's tuning knobs, see paged_attention_decode_triton); the reference otherwise."""
     if q.is_cuda or (_INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"):
-        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, **kw)
+        return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+                                             row_groups=row_groups, **kw)
+    if row_groups is not None:
+        block_tables = expand_row_groups(block_tables, row_groups)
     res = paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return res if out is None else out.copy_(res)

@@ -136,8 +136,7 @@ if triton is not None:
                              stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
                              stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
                              HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                             G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
-                             STORE: tl.constexpr):
+                             G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
         # One program per (sequence, BPP consecutive KV blocks) = TOK token rows, one KV head at a time:
         # its [TOK, R/2] bytes load as 16-byte vectors and serve all G query heads of that KV head
         # (CUDA-core FMAs). Nibbles become floats without int-to-float conversions (a quarter-rate
@@ -149,7 +148,7 @@ if triton is not None:
         # MODE 0: sum over heads, 1: max, 2: softmax pass 1 (log2-sum-exp2 of this program's rows per
         # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the
         # per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)). qk_scale = sm_scale * log2(e).
-        # GP, STORE, y_ptr: unused (the dot kernel's padded group and stored head scores), kept for one launcher.
+        # GP, y_ptr: unused (the dot kernel's padded group and stored head scores), kept for one launcher.
         b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
                                                        stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
         TOK: tl.constexpr = BPP * BS
@@ -212,12 +211,13 @@ SOFTMAX_SCRATCH_BYTES = 128 << 20   # stored head scores of one launch; larger b
 
 def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
                   sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES):
-    """Shared launcher of the two scoring kernels (same arguments and modes). softmax: pass 1 (per-program
-    partial log-sum-exp per query head; torch combines them over programs), then pass 2: the sketch scored
-    again (nothing per query head stored), or with store_heads (dot kernel) pass 1 also stores every head's
-    shifted score in fp16 ([rows, max_len, Hq]: 48 B per token at 24 heads, against the 136 B of sketch and
-    scales a second scoring pass reads) and _softmax_combine_kernel combines them; rows go in groups whose
-    scores fit in `scratch_bytes` (8 x 256K tokens x 24 heads: 98 MB, one group)."""
+    """Shared launcher of the two scoring kernels (same arguments and modes). softmax, two passes over the
+    sketch: pass 1 (per-program partial log-sum-exp per query head; torch combines them over programs), then
+    pass 2: the sketch scored again. softmax with store_heads (dot kernel): the sketch scored once, every head's
+    score stored in fp16 ([rows, Hq, max_len]: 48 B per token at 24 heads, against the 136 B of sketch and
+    scales a second scoring pass reads), then each head's total (_head_lse_kernel per chunk of tokens,
+    _lse_finish_kernel) and _softmax_combine_kernel; rows go in groups whose scores fit in `scratch_bytes`
+    (8 x 256K tokens x 24 heads: 98 MB, one group)."""
     B, Hkv, G, r = qp.shape
     bs = sketch.shape[1]
     # each block's rows must be one contiguous [bs, Hkv * r/2] tile (how the runner allocates them)
@@ -228,35 +228,40 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
     out = torch.empty(B, 1 if shared else Hkv, max_len, dtype=torch.float32, device=qp.device)
     qk_scale = sm_scale * 1.4426950408889634
     store = combine == "softmax" and store_heads
-    group = max(1, min(B, scratch_bytes // (max_len * Hkv * G * 2))) if store else B
-    y = torch.empty(group, max_len, Hkv * G, dtype=torch.float16, device=qp.device) if store else out
+    Hq = Hkv * G
+    group = max(1, min(B, scratch_bytes // (max_len * Hq * 2))) if store else B
+    y = torch.empty(group, Hq, max_len, dtype=torch.float16, device=qp.device) if store else out
 
     def launch(rows, mode, lse, stride_lb, stride_lp):
         kernel[(rows.stop - rows.start, programs)](
             qp[rows], sketch, scale, block_tables[rows], seq_lens[rows], lse, out[rows], y, sinks, recent, max_len,
             min(nblk, block_tables.shape[1]), qk_scale, qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0),
             scale.stride(0), block_tables.stride(0), stride_lb, stride_lp, out.stride(0), out.stride(1), y.stride(0),
-            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, STORE=store, num_warps=num_warps)
+            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, num_warps=num_warps)
 
     if combine != "softmax":
         launch(slice(0, B), COMBINES.index(combine), out, 0, 0)
         return out
-    part = torch.empty(group, programs, Hkv * G, dtype=torch.float32, device=qp.device)
-    for b0 in range(0, B, group):
-        rows = slice(b0, min(B, b0 + group))
-        p = part[: rows.stop - rows.start]
-        launch(rows, 2, p, p.stride(0), p.stride(1))
-        lse = torch.logsumexp(p * 0.6931471805599453, 1, keepdim=True) * 1.4426950408889634  # [n, 1, Hq], base 2
-        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))          # no candidate: stays -inf
-        if not store:
-            totals = lse[:, 0].contiguous()
-            launch(rows, 3, totals, totals.stride(0), 0)
-            continue
-        off = torch.where(torch.isfinite(p), p - lse, 0.0).contiguous()         # y + off = s * sm_scale - lse
-        o = out[rows]
-        _softmax_combine_kernel[(rows.stop - rows.start, programs)](
-            y, off, o, max_len, y.stride(0), off.stride(0), off.stride(1), o.stride(0), o.stride(1), HKV=Hkv, G=G,
-            HQP=max(16, triton.next_power_of_2(Hkv * G)), TOK=bpp * bs, SHARED=shared, num_warps=num_warps)
+    if store:
+        nch = triton.cdiv(max_len, LSE_CHUNK)
+        part = torch.empty(group, Hq, nch, dtype=torch.float32, device=qp.device)
+        lse = torch.empty(group, Hq, dtype=torch.float32, device=qp.device)
+        for b0 in range(0, B, group):
+            rows = slice(b0, min(B, b0 + group))
+            n = rows.stop - rows.start
+            launch(rows, 4, out, 0, 0)
+            _head_lse_kernel[(n, Hq, nch)](y, part, max_len, y.stride(0), nch, CHUNK=LSE_CHUNK, num_warps=4)
+            _lse_finish_kernel[(n * Hq,)](part, lse, nch, NCHP=max(16, triton.next_power_of_2(nch)), num_warps=1)
+            o = out[rows]
+            _softmax_combine_kernel[(n, programs)](
+                y, lse, o, max_len, y.stride(0), o.stride(0), o.stride(1), HKV=Hkv, G=G,
+                NH=max(2, triton.next_power_of_2(Hq if shared else G)), TOK=bpp * bs, SHARED=shared, num_warps=num_warps)
+        return out
+    part = torch.empty(B, programs, Hq, dtype=torch.float32, device=qp.device)
+    launch(slice(0, B), 2, part, part.stride(0), part.stride(1))
+    lse = torch.logsumexp(part * 0.6931471805599453, 1) * 1.4426950408889634     # [B, Hq], base 2
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).contiguous()   # no candidate: stays -inf
+    launch(slice(0, B), 3, lse, lse.stride(0), 0)
     return out
 
 
@@ -281,15 +286,14 @@ if triton is not None:
                                  stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
                                  stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
                                  HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                                 G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
-                                 STORE: tl.constexpr):
+                                 G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
         # One program per (sequence, BPP consecutive KV blocks) = TOK token rows. Per KV head h the
         # scores of its G query heads are a [TOK, R] @ [R, G] matmul on tensor cores, split by nibble:
         # lo [TOK, R/2] @ q_even [R/2, GP] + hi @ q_odd, G padded to GP >= 16 with zero query columns.
         # MODE 0: sum over heads, 1: max, 2: softmax pass 1 (log2-sum-exp2 of this program's rows per
-        # query head -> lse_ptr [B, programs, HKV * G]; STORE: and the shifted head scores -> y_ptr), 3: softmax
-        # pass 2 (lse_ptr [B, HKV * G] the per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)).
-        # qk_scale = sm_scale * log2(e).
+        # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the per-head
+        # totals; out = log sum_g exp(s_g * sm_scale - lse_g)), 4: softmax pass 1 storing every head's score
+        # (-> y_ptr; _head_lse_kernel and _softmax_combine_kernel finish). qk_scale = sm_scale * log2(e).
         b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
                                                        stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
         TOK: tl.constexpr = BPP * BS
@@ -331,10 +335,13 @@ if triton is not None:
                 m = tl.where(m == float("-inf"), 0.0, m)     # no valid row: l = 0 -> -inf, not nan
                 part = m + tl.log2(tl.sum(tl.exp2(x - m[None, :]), axis=0))
                 tl.store(lse_ptr + b * stride_lb + pid * stride_lp + h * G + gs, part, mask=gmask)
-                if STORE:  # every head's score, shifted by its tile's log2-sum (<= 0): pass 2 is _softmax_combine_kernel
-                    y = x - tl.where(part == float("-inf"), 0.0, part)[None, :]
-                    tl.store(y_ptr + b * stride_yb + t[:, None] * (HKV * G) + h * G + gs[None, :], y.to(tl.float16),
-                             mask=(t < max_len)[:, None] & gmask[None, :])
+            elif MODE == 4:
+                # every head's score in log2 units, fp16, head-major (y [rows, HKV * G, max_len]); no reduction
+                # over the tile's rows here: those per-head column reductions made MODE 2 3x slower than MODE 0
+                # (H200 run 29: 490 vs 161 us per layer at 8 x 250K). fp16 holds |x| <= 65504 (clamped above).
+                x = tl.minimum(tl.where(valid[:, None], s * qk_scale, float("-inf")), 65000.0)
+                tl.store(y_ptr + b.to(tl.int64) * stride_yb + (h * G + gs[None, :]) * max_len + t[:, None],
+                         x.to(tl.float16), mask=(t < max_len)[:, None] & gmask[None, :])
             else:
                 lse = tl.load(lse_ptr + b * stride_lb + h * G + gs, mask=gmask, other=0.0)
                 y = tl.where(valid[:, None] & gmask[None, :], s * qk_scale - lse[None, :], float("-inf"))
@@ -349,7 +356,7 @@ if triton is not None:
                     o = (m + tl.log2(tl.sum(tl.exp2(y - m[:, None]), axis=1))) * LN2
                     tl.store(out_ptr + b * stride_ob + h * stride_oh + t, tl.where(valid, o, float("-inf")),
                              mask=t < max_len)
-        if SHARED and MODE != 2:
+        if SHARED and MODE != 2 and MODE != 4:
             if MODE == 3:
                 acc = (run_m + tl.log2(run_l)) * LN2
             tl.store(out_ptr + b * stride_ob + t, tl.where(valid, acc, float("-inf")), mask=t < max_len)
@@ -358,29 +365,54 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _softmax_combine_kernel(y_ptr, off_ptr, out_ptr, max_len, stride_yb, stride_fb, stride_fp, stride_ob,
-                                stride_oh, HKV: tl.constexpr, G: tl.constexpr, HQP: tl.constexpr,
-                                TOK: tl.constexpr, SHARED: tl.constexpr):
-        # softmax pass 2, pass 1's tiles: off [B, programs, Hq] = part - lse (finite), so y + off = s_j * sm_scale
-        # - lse_j in log2 units; out = ln sum_j exp2(.) over the heads combined (all, or one KV head's G).
-        # Non-candidates carry y = -inf from pass 1 and come out -inf.
+    def _head_lse_kernel(y_ptr, part_ptr, max_len, stride_yb, nch, CHUNK: tl.constexpr):
+        # part [rows, Hq, nch]: log2-sum-exp2 of one head's stored scores over one CHUNK of tokens (in registers)
         b = tl.program_id(0)
-        pid = tl.program_id(1)
-        t = pid * TOK + tl.arange(0, TOK)
-        j = tl.arange(0, HQP)
-        HQ: tl.constexpr = HKV * G
-        jm = j < HQ
-        tm = t < max_len
-        LN2: tl.constexpr = 0.6931471805599453
-        y = tl.load(y_ptr + b * stride_yb + t[:, None] * HQ + j[None, :], mask=tm[:, None] & jm[None, :],
+        j = tl.program_id(1)
+        c = tl.program_id(2)
+        t = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(y_ptr + b.to(tl.int64) * stride_yb + j * max_len + t, mask=t < max_len,
                     other=float("-inf")).to(tl.float32)
-        z = y + tl.load(off_ptr + b * stride_fb + pid * stride_fp + j, mask=jm, other=0.0)[None, :]
+        m = tl.max(x, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)            # no candidate: log2(0) = -inf, not nan
+        tl.store(part_ptr + (b * tl.num_programs(1) + j) * nch + c, m + tl.log2(tl.sum(tl.exp2(x - m), axis=0)))
+
+    @triton.jit
+    def _lse_finish_kernel(part_ptr, lse_ptr, nch, NCHP: tl.constexpr):
+        # lse [rows * Hq]: the chunks' log2-sums combined; 0 for a head without candidates (its y stays -inf)
+        i = tl.program_id(0)
+        c = tl.arange(0, NCHP)
+        p = tl.load(part_ptr + i * nch + c, mask=c < nch, other=float("-inf"))
+        m = tl.max(p, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        tot = tl.sum(tl.exp2(p - m), axis=0)
+        tl.store(lse_ptr + i, tl.where(tot > 0, m + tl.log2(tot), 0.0))
+
+    @triton.jit
+    def _softmax_combine_kernel(y_ptr, lse_ptr, out_ptr, max_len, stride_yb, stride_ob, stride_oh,
+                                HKV: tl.constexpr, G: tl.constexpr, NH: tl.constexpr, TOK: tl.constexpr,
+                                SHARED: tl.constexpr):
+        # softmax pass 2 over the stored scores y [rows, Hq, max_len] (log2 units) and each head's total
+        # lse [rows, Hq]: out = ln sum_j exp2(y_j - lse_j) over the heads combined (all, or one KV head's G).
+        # Non-candidates carry y = -inf and come out -inf.
+        b = tl.program_id(0)
+        t = tl.program_id(1) * TOK + tl.arange(0, TOK)
+        tm = t < max_len
+        jj = tl.arange(0, NH)
+        jm = jj < (HKV * G if SHARED else G)
+        LN2: tl.constexpr = 0.6931471805599453
         for h in tl.static_range(1 if SHARED else HKV):
-            zh = z if SHARED else tl.where(((j // G) == h)[None, :], z, float("-inf"))
-            m = tl.max(zh, axis=1)
+            j = h * G + jj
+            lse = tl.load(lse_ptr + b * HKV * G + j, mask=jm, other=0.0)
+            z = tl.load(y_ptr + b.to(tl.int64) * stride_yb + j[:, None] * max_len + t[None, :],
+                        mask=jm[:, None] & tm[None, :], other=float("-inf")).to(tl.float32) - lse[:, None]
+            m = tl.max(z, axis=0)
             m = tl.where(m == float("-inf"), 0.0, m)
-            o = (m + tl.log2(tl.sum(tl.exp2(zh - m[:, None]), axis=1))) * LN2
+            o = (m + tl.log2(tl.sum(tl.exp2(z - m[None, :]), axis=0))) * LN2
             tl.store(out_ptr + b * stride_ob + h * stride_oh + t, o, mask=tm)
+
+
+LSE_CHUNK = 4096   # tokens of one head per _head_lse_kernel program (32 per thread at 4 warps)
 
 
 def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,

@@ -35,7 +35,11 @@ def sparse_attention_ref(q, k_cache, v_cache, block_tables, indices, counts, sca
     return out
 
 
-def sparse_attention(q, k_cache, v_cache, block_tables, indices, counts, scale):
+def sparse_attention(q, k_cache, v_cache, block_tables, indices, counts, scale, row_groups=None):
+    """row_groups: see paged_attention_decode_triton (block_tables and indices then have a row per group)."""
     if pa.triton is not None and (q.is_cuda or (pa._INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1")):
-        return pa.paged_attention_decode_triton(q, k_cache, v_cache, block_tables, counts, scale, indices=indices)
+        return pa.paged_attention_decode_triton(q, k_cache, v_cache, block_tables, counts, scale, indices=indices,
+                                                row_groups=row_groups)
+    if row_groups is not None:
+        block_tables, indices = (pa.expand_row_groups(x, row_groups) for x in (block_tables, indices))
     return sparse_attention_ref(q, k_cache, v_cache, block_tables, indices, counts, scale)
