@@ -254,14 +254,22 @@ def stepwise_positions(decode, q, k, v, g, beta, states, slots, kept):
     return torch.stack(outs, 1), want
 
 
-def test_gdn_positions_ref_is_stepwise_decode():
-    q, k, v, g, beta, states, slots, kept, store = positions_case(3, 4, 2, 4, 16, 8)
-    o_want, st_want = stepwise_positions(gated_delta_rule_decode_ref, q, k, v, g, beta, states, slots, kept)
+def assert_positions_are_stepwise(positions, decode, case, sink):
+    """positions(...) == decode one position at a time, bitwise: outputs, kept states, and no slot written
+    but the kept ones and the scratch sink. -> (outputs, the states before)."""
+    q, k, v, g, beta, states, slots, kept, store = case
+    o_want, st_want = stepwise_positions(decode, q, k, v, g, beta, states, slots, kept)
     before = states.clone()
-    o = gated_delta_rule_positions(q, k, v, g, beta, states, slots, store)
+    o = positions(q, k, v, g, beta, states, slots, store)
     assert torch.equal(o, o_want)
     assert torch.equal(states[slots], st_want[slots])
-    assert untouched(states, before, slots.tolist() + [S - 1])   # the scratch sink is the only other write
+    assert untouched(states, before, slots.tolist() + [sink])
+    return o, before
+
+
+def test_gdn_positions_ref_is_stepwise_decode():
+    assert_positions_are_stepwise(gated_delta_rule_positions, gated_delta_rule_decode_ref,
+                                  positions_case(3, 4, 2, 4, 16, 8), S - 1)
 
 
 # --- fla under the triton interpreter (CPU) -------------------------------------------------------
@@ -316,15 +324,10 @@ def test_interp_gdn_decode_fla():
 @needs_interp
 def test_interp_gdn_positions_fla():
     """fla, all positions in one call == fla one token at a time, bitwise (outputs and kept states)."""
-    q, k, v, g, beta, states, slots, kept, store = positions_case(3, 4, 2, 4, 16, 8)
-    o_want, st_want = stepwise_positions(gated_delta_rule_decode_fla, q, k, v, g, beta, states, slots, kept)
-    before = states.clone()
-    o = gated_delta_rule_positions_fla(q, k, v, g, beta, states, slots, store)
-    assert torch.equal(o, o_want)
-    assert torch.equal(states[slots], st_want[slots])
-    assert untouched(states, before, slots.tolist() + [S - 1])
-    st_ref = before.clone()
-    torch.testing.assert_close(o, gated_delta_rule_positions_ref(q, k, v, g, beta, st_ref, slots, store),
+    case = positions_case(3, 4, 2, 4, 16, 8)
+    o, before = assert_positions_are_stepwise(gated_delta_rule_positions_fla, gated_delta_rule_decode_fla, case, S - 1)
+    q, k, v, g, beta, _, slots, _, store = case
+    torch.testing.assert_close(o, gated_delta_rule_positions_ref(q, k, v, g, beta, before, slots, store),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -405,14 +408,8 @@ def test_gpu_gdn_decode():
 @needs_cuda
 def test_gpu_gdn_positions_is_stepwise_decode():
     """8 positions x 8 sequences in one fla call == 8 one-token fla calls, bitwise, at real head sizes (bf16)."""
-    q, k, v, g, beta, states, slots, kept, store = positions_case(8, 8, HK, HV, DK, DV, torch.bfloat16, "cuda",
-                                                                  num_slots=16)
-    o_want, st_want = stepwise_positions(gated_delta_rule_decode, q, k, v, g, beta, states, slots, kept)
-    before = states.clone()
-    o = gated_delta_rule_positions(q, k, v, g, beta, states, slots, store)
-    assert torch.equal(o, o_want)
-    assert torch.equal(states[slots], st_want[slots])
-    assert untouched(states, before, slots.tolist() + [15])
+    assert_positions_are_stepwise(gated_delta_rule_positions, gated_delta_rule_decode,
+                                  positions_case(8, 8, HK, HV, DK, DV, torch.bfloat16, "cuda", num_slots=16), 15)
 
 
 @pytest.mark.gpu
