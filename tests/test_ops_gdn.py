@@ -230,14 +230,13 @@ def test_conv_short_sequences_keep_old_state():
 
 
 def positions_case(N, T, Hk, Hv, Dk, Dv, dtype=torch.float32, device="cpu", num_slots=S, seed=0):
-    """Inputs [N, T, ...] for gated_delta_rule_positions, N slots to start from, and store slots that keep
-    one position per sequence (the replay) with the last slot as the scratch sink."""
+    """Inputs [N, T, ...] for gated_delta_rule_positions, N slots to start from, and the position each
+    sequence keeps (the replay)."""
     q, k, v, g, beta, states = gdn_inputs(N * T, Hk, Hv, Dk, Dv, dtype, device, seed=seed, num_slots=num_slots)
     q, k, v, g, beta = (x.view(N, T, *x.shape[1:]) for x in (q, k, v, g, beta))
-    slots = torch.randperm(num_slots - 1, generator=torch.Generator().manual_seed(seed))[:N].to(device)
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))[:N].to(device)
     kept = torch.randint(0, T, (N,), generator=torch.Generator().manual_seed(seed + 1)).to(device)
-    store = torch.where(torch.arange(T, device=device)[None] == kept[:, None], slots[:, None], num_slots - 1)
-    return q, k, v, g, beta, states, slots, kept, store
+    return q, k, v, g, beta, states, slots, kept
 
 
 def stepwise_positions(decode, q, k, v, g, beta, states, slots, kept):
@@ -254,22 +253,25 @@ def stepwise_positions(decode, q, k, v, g, beta, states, slots, kept):
     return torch.stack(outs, 1), want
 
 
-def assert_positions_are_stepwise(positions, decode, case, sink):
-    """positions(...) == decode one position at a time, bitwise: outputs, kept states, and no slot written
-    but the kept ones and the scratch sink. -> (outputs, the states before)."""
-    q, k, v, g, beta, states, slots, kept, store = case
+def assert_positions_are_stepwise(positions, decode, case):
+    """positions(...) == decode one position at a time, bitwise: outputs (up to each sequence's kept position;
+    all of them when nothing is kept), kept states, and no other slot written. -> (outputs, states before)."""
+    q, k, v, g, beta, states, slots, kept = case
     o_want, st_want = stepwise_positions(decode, q, k, v, g, beta, states, slots, kept)
     before = states.clone()
-    o = positions(q, k, v, g, beta, states, slots, store)
-    assert torch.equal(o, o_want)
+    assert torch.equal(positions(q, k, v, g, beta, states, slots), o_want)     # verification: nothing written
+    assert torch.equal(states, before)
+    o = positions(q, k, v, g, beta, states, slots, kept)
+    upto = torch.arange(q.shape[1], device=q.device)[None] <= kept[:, None]
+    assert torch.equal(o[upto], o_want[upto])
     assert torch.equal(states[slots], st_want[slots])
-    assert untouched(states, before, slots.tolist() + [sink])
+    assert untouched(states, before, slots.tolist())
     return o, before
 
 
 def test_gdn_positions_ref_is_stepwise_decode():
     assert_positions_are_stepwise(gated_delta_rule_positions, gated_delta_rule_decode_ref,
-                                  positions_case(3, 4, 2, 4, 16, 8), S - 1)
+                                  positions_case(3, 4, 2, 4, 16, 8))
 
 
 # --- fla under the triton interpreter (CPU) -------------------------------------------------------
@@ -325,10 +327,10 @@ def test_interp_gdn_decode_fla():
 def test_interp_gdn_positions_fla():
     """fla, all positions in one call == fla one token at a time, bitwise (outputs and kept states)."""
     case = positions_case(3, 4, 2, 4, 16, 8)
-    o, before = assert_positions_are_stepwise(gated_delta_rule_positions_fla, gated_delta_rule_decode_fla, case, S - 1)
-    q, k, v, g, beta, _, slots, _, store = case
-    torch.testing.assert_close(o, gated_delta_rule_positions_ref(q, k, v, g, beta, before, slots, store),
-                               atol=1e-5, rtol=1e-5)
+    _, before = assert_positions_are_stepwise(gated_delta_rule_positions_fla, gated_delta_rule_decode_fla, case)
+    q, k, v, g, beta, _, slots, _ = case
+    torch.testing.assert_close(gated_delta_rule_positions_fla(q, k, v, g, beta, before, slots),
+                               gated_delta_rule_positions_ref(q, k, v, g, beta, before, slots), atol=1e-5, rtol=1e-5)
 
 
 # --- GPU, real sizes ------------------------------------------------------------------------------
@@ -409,7 +411,7 @@ def test_gpu_gdn_decode():
 def test_gpu_gdn_positions_is_stepwise_decode():
     """8 positions x 8 sequences in one fla call == 8 one-token fla calls, bitwise, at real head sizes (bf16)."""
     assert_positions_are_stepwise(gated_delta_rule_positions, gated_delta_rule_decode,
-                                  positions_case(8, 8, HK, HV, DK, DV, torch.bfloat16, "cuda", num_slots=16), 15)
+                                  positions_case(8, 8, HK, HV, DK, DV, torch.bfloat16, "cuda", num_slots=16))
 
 
 @pytest.mark.gpu

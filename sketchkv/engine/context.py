@@ -23,7 +23,6 @@ class VerifyRows:
     # every row belongs to a decoding sequence with exactly `regular` rows, sequence-major (the verification
     # graphs' layout): the layers may view the rows as [sequences, regular] and step all positions at once
     regular: int = 0
-    scratch_slot: int = -1                          # a state slot whose content nobody reads (write sink)
 
 
 @dataclass

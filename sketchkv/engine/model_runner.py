@@ -410,7 +410,7 @@ class ModelRunner:
         if ctx.num_drafts:
             from sketchkv.engine.speculative import verify_rows
             ctx.verify = verify_rows(qlens, cu, [seq.state_slot for seq, _ in batch],
-                                     [ctx.decodes(b) for b in range(len(batch))], self.device, self.scratch_slot)
+                                     [ctx.decodes(b) for b in range(len(batch))], self.device)
         return t(ids, torch.int64), t(pos, torch.int64), ctx
 
     def _zero_fresh_slots(self, batch) -> None:
@@ -615,8 +615,7 @@ class ModelRunner:
             self.v_resident_rows = torch.full((R,), self.tier.dump_row, dtype=torch.int64, device=dev)
             self.v_hot_pids = torch.full((R,), self.tier.pad_pid, dtype=torch.int64, device=dev)
         self.v_steps = {bs: VerifyRows([(torch.arange(bs, device=dev) * Q + t, self.v_seq_slots[:bs],
-                                         torch.arange(bs, device=dev)) for t in range(Q)], regular=Q,
-                                        scratch_slot=self.scratch_slot)
+                                         torch.arange(bs, device=dev)) for t in range(Q)], regular=Q)
                         for bs in sizes}   # static row lists, alive as long as the graphs
         contexts = {}
         for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:

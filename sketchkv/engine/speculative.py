@@ -44,7 +44,7 @@ from sketchkv.layers.sampler import _filter
 
 
 def verify_rows(query_lens: list[int], cu: list[int], state_slots: list[int], decoding: list[bool],
-                device, scratch_slot: int = -1) -> VerifyRows:
+                device) -> VerifyRows:
     """Row and slot lists for `GatedDeltaNet.forward_verify`."""
     t = lambda x, dt=torch.int64: to_device(x, dt, device)
     dec = [b for b, d in enumerate(decoding) if d]
@@ -52,9 +52,9 @@ def verify_rows(query_lens: list[int], cu: list[int], state_slots: list[int], de
     for pos in range(max(query_lens[b] for b in dec)):
         live = [i for i, b in enumerate(dec) if query_lens[b] > pos]
         steps.append((t([cu[dec[i]] + pos for i in live]), t([state_slots[dec[i]] for i in live]), t(live)))
-    vr = VerifyRows(steps, scratch_slot=scratch_slot)
+    vr = VerifyRows(steps)
     other = [b for b, d in enumerate(decoding) if not d]
-    if not other and len(set(query_lens)) == 1 and scratch_slot >= 0:
+    if not other and len(set(query_lens)) == 1:
         vr.regular = query_lens[0]
     if other:
         vr.other_rows = t([r for b in other for r in range(cu[b], cu[b + 1])])

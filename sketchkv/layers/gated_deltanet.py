@@ -105,11 +105,10 @@ class GatedDeltaNet(nn.Module):
             y = y.view(T, -1)
             self._keep(qkv, y, g, beta)
             q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            sink = torch.full((N, Q), vr.scratch_slot, dtype=torch.int64, device=qkv.device)
             o = gated_delta_rule_positions(q.reshape(N, Q, self.num_k_heads, self.head_k_dim),
                                            k.reshape(N, Q, self.num_k_heads, self.head_k_dim),
                                            v.reshape(N, Q, self.num_v_heads, self.head_v_dim), g.view(N, Q, -1),
-                                           beta.view(N, Q, -1), self.ssm_state, seq_slots, sink)
+                                           beta.view(N, Q, -1), self.ssm_state, seq_slots)
             return self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         y = torch.empty_like(qkv)
         if vr.other_rows is not None:
@@ -145,9 +144,9 @@ class GatedDeltaNet(nn.Module):
         """After a verification step: advance each decoding sequence's slot through its kept positions
         0..accepted[i] (its token + the accepted drafts) from the step's kept inputs. rows0 [B]: the
         sequence's first row in the step; positions: max(accepted) + 1 (or more). Fixed shapes: positions past
-        a sequence's last kept one write the scratch slot. The conv state is the last W inputs, so it is
+        a sequence's last kept one leave its state alone. The conv state is the last W inputs, so it is
         gathered from the old state and the kept pre-conv rows; the recurrence runs all positions in one call
-        and writes each slot once, at its last kept position. snapshots {t: [slots]}: keep copies of those
+        and writes each slot once, its state after the last kept position. snapshots {t: [slots]}: keep copies of those
         slots' states after position t (prefix-cache snapshots inside the verified run) in `self.snapshots`:
         the step-by-step replay."""
         x, y, g, beta = (self.verify_x, self.verify_y, self.verify_g, self.verify_beta) \
@@ -164,11 +163,10 @@ class GatedDeltaNet(nn.Module):
         last = (accepted[:, None] + 1 + torch.arange(W, device=slots.device))[:, None].expand(-1, old.shape[1], -1)
         self.conv_state[slots] = window.gather(2, last)
         q, k, v = torch.split(y[rows], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        keep = torch.where(t[None] == accepted[:, None], slots[:, None], scratch_slot)
         gated_delta_rule_positions(q.reshape(N, positions, self.num_k_heads, self.head_k_dim),
                                    k.reshape(N, positions, self.num_k_heads, self.head_k_dim),
                                    v.reshape(N, positions, self.num_v_heads, self.head_v_dim), g[rows], beta[rows],
-                                   self.ssm_state, slots, keep)
+                                   self.ssm_state, slots, accepted)
 
     def _replay_stepwise(self, x, g, beta, rows0, slots, accepted, positions, scratch_slot, snapshots) -> None:
         w = self.conv1d.weight.squeeze(1)

@@ -92,41 +92,47 @@ def gated_delta_rule_decode_fla(q, k, v, g, beta, states, state_slots):
     return o[:, 0]
 
 
-def gated_delta_rule_positions_ref(q, k, v, g, beta, states, init_slots, store_slots):
-    work = states[init_slots].clone()
+def gated_delta_rule_positions_ref(q, k, v, g, beta, states, slots, kept=None):
+    work = states[slots].clone()
     local = torch.arange(q.shape[0], device=q.device)
     o = torch.empty_like(v)
     for t in range(q.shape[1]):
         o[:, t] = gated_delta_rule_decode_ref(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], work, local)
-        states[store_slots[:, t]] = work
+        if kept is not None:
+            hit = kept == t
+            states[slots[hit]] = work[hit]
     return o
 
 
-def gated_delta_rule_positions_fla(q, k, v, g, beta, states, init_slots, store_slots):
+def gated_delta_rule_positions_fla(q, k, v, g, beta, states, slots, kept=None):
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     N, T, Hv = g.shape
+    if kept is not None:
+        # positions after a sequence's kept one become identity steps (decay exp(0) = 1, beta = 0: the state
+        # is multiplied by 1 and gets + 0, exactly), so the final state is the one after the kept position
+        live = (torch.arange(T, device=q.device)[None] <= kept[:, None])[..., None]
+        g, beta = torch.where(live, g, 0.0), torch.where(live, beta, 0.0)
     gk = g.float()[..., None].expand(N, T, Hv, q.shape[-1]).contiguous()
-    # the kernel's speculative-decoding indexing (vLLM's): it reads the initial state at index column
-    # num_accepted - 1 and writes the state after token t at column t, so column T holds the slot to read
-    index = torch.cat([store_slots, init_slots[:, None]], 1).contiguous()
-    read_col = torch.full((N,), T + 1, dtype=torch.int64, device=q.device)
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
-    o, _ = fused_recurrent_kda_fwd(q, k, v, gk, beta, initial_state=states, inplace_final_state=True,
-                                   ssm_state_indices=index, num_accepted_tokens=read_col,
-                                   use_qk_l2norm_in_kernel=True)
+    # a copy of the states in batch order (fla's non-slot mode): the kernel then keeps the state in registers
+    # over the T positions and writes only the final one (its slot mode writes it after every position)
+    o, final = fused_recurrent_kda_fwd(q, k, v, gk, beta, initial_state=states[slots], inplace_final_state=False,
+                                       output_final_state=kept is not None, use_qk_l2norm_in_kernel=True)
+    if kept is not None:
+        states[slots] = final
     return o
 
 
-def gated_delta_rule_positions(q, k, v, g, beta, states, init_slots, store_slots):
+def gated_delta_rule_positions(q, k, v, g, beta, states, slots, kept=None):
     """T positions of N sequences in one call (speculative verification and its replay): q, k [N, T, Hk, Dk],
-    v [N, T, Hv, Dv], g, beta [N, T, Hv]; sequence n starts from states[init_slots[n]] and its state after
-    position t is written to states[store_slots[n, t]] (a scratch slot for the ones not kept: its content is
-    then undefined) -> o [N, T, Hv, Dv]. The decode kernel's arithmetic step by step, so outputs and kept
-    states are bitwise those of T one-token calls; the initial state is read once and only the kept states
-    reach their slots (T calls read and write every slot T times). CUDA-graph capturable."""
+    v [N, T, Hv, Dv], g, beta [N, T, Hv]; sequence n starts from states[slots[n]] -> o [N, T, Hv, Dv]. kept [N]
+    (or None: no state is written): states[slots[n]] becomes the state after position kept[n] (outputs past
+    it are not meaningful). The decode kernel's arithmetic step by step, so outputs and kept states are bitwise
+    those of one-token calls; each state is read once and written at most once (T calls read and write every
+    slot T times). CUDA-graph capturable."""
     if q.is_cuda:
-        return gated_delta_rule_positions_fla(q, k, v, g, beta, states, init_slots, store_slots)
-    return gated_delta_rule_positions_ref(q, k, v, g, beta, states, init_slots, store_slots)
+        return gated_delta_rule_positions_fla(q, k, v, g, beta, states, slots, kept)
+    return gated_delta_rule_positions_ref(q, k, v, g, beta, states, slots, kept)
 
 
 def gated_delta_rule_varlen(q, k, v, g, beta, states, state_slots, cu_seqlens):
