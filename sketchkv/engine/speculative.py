@@ -8,12 +8,15 @@ One engine step with speculation on (`num_speculative_tokens` = n > 0):
    per call, feeding back its own hidden state and the draft token (vLLM's MTP proposer).
 2. verify: the target runs the last token + k drafts as k + 1 rows of that sequence. Attention
    layers treat each row as a decode row with its own length (causal over the cache; sparse layers
-   select per position); Gated DeltaNet layers step through the rows on copies of the sequences'
-   states and keep the step's inputs (`GatedDeltaNet.forward_verify`). `rejection_sampler.verify`
-   keeps a prefix of the drafts and adds one token.
+   select per position, or once per sequence with verify_selection=shared: then the decode kernel reads a
+   sequence's rows once for all of them); Gated DeltaNet layers step through the rows without writing
+   the sequences' states (all positions in one recurrence call when every sequence has 1 + n rows) and
+   keep the step's inputs (`GatedDeltaNet.forward_verify`). `rejection_sampler.verify` keeps a prefix of
+   the drafts and adds one token.
 3. commit: each sequence's GDN state advances through its kept rows again, from its slot and the
-   kept inputs (`GatedDeltaNet.replay_verified`: the same decode kernels, so the same state as the
-   verification computed, and no per-position states in memory); the scheduler counts only accepted
+   kept inputs (`GatedDeltaNet.replay_verified`: the decode kernel's arithmetic in one call, the conv state
+   gathered from the kept inputs, so bitwise the state the verification computed, and no per-position
+   states in memory); the scheduler counts only accepted
    rows as cached and frees the blocks that only rejected rows used. KV rows of rejected positions
    stay in kept blocks and are overwritten later (attention never reads past a sequence's length).
 4. catch up: the MTP layer runs over the step's accepted rows (prompt chunks too), on the target's
@@ -26,8 +29,8 @@ Steady-state verification steps (every sequence: its token + exactly n drafts; u
 VERIFY_GRAPH_MAX_ROWS rows) replay a CUDA graph of bucket x (1 + n) rows (ModelRunner._replay_verify;
 emulated on CPU in tests, GPU-tested on an H200); other verification steps run eagerly; pure decode
 steps (no drafts) replay the decode graphs. The commit's GDN replay after a step whose inputs sit in the
-static buffers replays one graph per bucket (ModelRunner.replay_commit, all 1 + n positions; emulated on
-CPU, not yet run on a GPU), eagerly when a prefix-cache snapshot falls inside the verified run. Greedy
+static buffers replays one graph per bucket (ModelRunner.replay_commit, all 1 + n positions; H200 run 32),
+step by step and eagerly when a prefix-cache snapshot falls inside the verified run. Greedy
 drafting of n tokens for every sequence replays one drafter graph per step (MTPDrafter.capture_graphs;
 one host sync for the drafts); sampled drafting and steps with fewer drafts run eagerly. The catch-up
 pass is eager (one MTP pass over the accepted rows, attended as decode rows).
