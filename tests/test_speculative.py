@@ -8,6 +8,7 @@ from sketchkv import LLM, SamplingParams
 from sketchkv.engine.context import Context, set_context
 from sketchkv.engine.sequence import Status
 from sketchkv.engine.speculative import verify_rows
+from sketchkv.errors import RequestError
 from sketchkv.layers.gated_deltanet import GatedDeltaNet
 from sketchkv.layers.rejection_sampler import accept
 from sketchkv.layers.sampler import _filter
@@ -432,3 +433,23 @@ def test_gdn_snapshots_inside_verified_runs_serve_prefix_hits(mtp_ckpt, monkeypa
     got = _run_with_oracle(llm, [follow], sp, {tuple(follow): follow + ref.token_ids})
     assert got == [ref.token_ids]
     assert llm.engine.scheduler.prefix_hits - before == 48  # 3 blocks: two snapshots saved during decode
+
+
+def test_windowed_drafter_changes_acceptance_not_tokens(mtp_ckpt):
+    """mtp_attention_window: the drafter attends to 64 sinks + the last W tokens. Output identical to plain
+    decoding whatever W; with W covering every context its drafts are the dense drafter's."""
+    prompts = _prompts((200, 77, 140, 300), 5)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in _llm(mtp_ckpt).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    stats = {}
+    for window in (0, 16, 4096):
+        llm = _llm(mtp_ckpt, num_speculative_tokens=3, mtp_attention_window=window)
+        if window:
+            from sketchkv.layers.windowed_attention import WindowedAttention
+            assert all(isinstance(m, WindowedAttention) for m in llm.engine.runner.mtp_attn_layers)
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)] == ref
+        m = llm.speculative_metrics()
+        stats[window] = (m["spec_verifications"], m["spec_accepted_tokens"])
+    assert stats[4096] == stats[0]
+    with pytest.raises(RequestError, match="mtp_attention_window"):
+        _llm(mtp_ckpt, num_speculative_tokens=3, mtp_attention_window=-1)

@@ -26,6 +26,7 @@ logger = logging.getLogger("sketchkv")
 # Speculative verification graphs hold bucket x (1 + drafts) rows; above this many rows per step the
 # verification runs eagerly (its per-row selection scratch over max_model_len grows with the rows).
 VERIFY_GRAPH_MAX_ROWS = 128
+MTP_WINDOW_SINKS = 64   # first tokens a windowed MTP drafter always attends (EngineConfig.mtp_attention_window)
 
 
 def capture_graph(fn, pool):
@@ -63,6 +64,9 @@ class ModelRunner:
             raise RequestError(f"sparse_selector must be sketch or exact, got {sp.selector!r}")
         if sp.verify_selection not in ("per_row", "shared"):
             raise RequestError(f"sparse_verify_selection must be per_row or shared, got {sp.verify_selection!r}")
+        if cfg.mtp_attention_window < 0:
+            raise RequestError(f"mtp_attention_window must be >= 0 (0: the drafter attends densely), got "
+                               f"{cfg.mtp_attention_window}")
         if sp.score_kernel not in sketch_ops.KERNELS:
             raise RequestError(f"sparse_score_kernel must be one of {', '.join(sketch_ops.KERNELS)}, got {sp.score_kernel!r}")
         if sp.tier_kernel not in ("torch", "triton"):
@@ -107,6 +111,8 @@ class ModelRunner:
         self.mtp_attn_layers = []
         if self.num_spec:
             from sketchkv.engine.speculative import Speculator
+            if cfg.mtp_attention_window > 0:
+                self._window_mtp_attention(model, cfg.mtp_attention_window)
             self.mtp_attn_layers = Speculator.mtp_layers(model)
             self.spec = Speculator(self, self.num_spec)
         # decode: (sparse family, batch bucket, blocks per sequence); verification: (sparse family, batch bucket)
@@ -155,6 +161,13 @@ class ModelRunner:
                 owner.attn = TieredAttention(owner.attn, j)
             if sp.verify_selection == "shared":  # verification rows read the first row's picks + their own tokens
                 owner.attn.verify_extra = self.cfg.num_speculative_tokens
+
+    @staticmethod
+    def _window_mtp_attention(model, window: int) -> None:
+        from sketchkv.layers.windowed_attention import WindowedAttention
+        for owner in model.mtp.modules():
+            if isinstance(getattr(owner, "attn", None), Attention):
+                owner.attn = WindowedAttention(owner.attn, MTP_WINDOW_SINKS, window)
 
     def _install_qsa_tier(self) -> None:
         """qwen4_exp: each indexed_attention layer keeps its QSA indexer as the selector and moves its
