@@ -53,6 +53,7 @@ from sketchkv.errors import SketchKVError
 
 CONFIGS = ("sparse", "dense", "hf")
 LABELS = {"sparse": "sketchkv sparse + host tier", "dense": "sketchkv dense", "hf": "transformers dense"}
+SPEC_KNOBS = ("num_speculative_tokens", "mtp_attention_window")
 SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_host_format",
                 "sparse_hot_fraction", "sparse_host_budget_gb", "sparse_gpu_budget_gb", "sparse_basis",
                 "sparse_head_combine", "sparse_score_kernel", "sparse_tier_kernel", "sparse_verify_selection")
@@ -121,7 +122,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="with --num-speculative-tokens on a random-weight model (its drafts are rejected, so every "
                         "step verifies n drafts and keeps one token): also report agents x L / measured step time, "
                         "L = the mean accepted length measured on a trained model (benchmarks/bench_mtp.py)")
-    keep = set(C.BASE_OPTIONS) | set(SPARSE_KNOBS) | {"num_speculative_tokens"}
+    keep = set(C.BASE_OPTIONS) | set(SPARSE_KNOBS) | set(SPEC_KNOBS)
     g = p.add_argument_group("engine options (every sketchkv configuration)")
     add_dataclass_args(g, skip=tuple(n for n, _, _ in flat_fields() if n not in keep))
 
@@ -539,7 +540,7 @@ def run(args, name: str, write: bool = True) -> dict:
     from sketchkv.engine.llm_engine import resolve_device, resolve_dtype
     from sketchkv.errors import SketchKVError
     from sketchkv.llm import LLM
-    base = {**C.base_options(args), **{k: v for k in SPARSE_KNOBS + ("num_speculative_tokens",)
+    base = {**C.base_options(args), **{k: v for k in SPARSE_KNOBS + SPEC_KNOBS
                                        if (v := getattr(args, k, None)) is not None}}
     base = {k: (C._parse_value(v, C._flat_fields()[k]) if isinstance(v, str) else v) for k, v in base.items()}
     cfg0 = build_config(model=args.model, **base)
