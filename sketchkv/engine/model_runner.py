@@ -654,9 +654,8 @@ class ModelRunner:
 
     def _capture_replay_graphs(self, sizes, contexts, pool):
         # The commit's GDN replay (GatedDeltaNet.replay_verified) after a graph verification step: its inputs
-        # are in the layers' static buffers; all 1 + n positions (rows with fewer kept step the scratch slot),
-        # one graph per bucket. Eagerly it is ~6 launches per layer and position (48 x 8 x 6 for the 27B shape
-        # at n = 7), which left most of a 129 ms verification step to launch gaps (H200 run 31).
+        # are in the layers' static buffers; all 1 + n positions (past a sequence's kept one: identity steps),
+        # one graph per bucket: ~10 small launches per GDN layer, which eagerly were launch gaps (H200 run 31).
         Q, dev = self.num_spec + 1, self.device
         self.c_rows0 = torch.zeros(max(sizes), dtype=torch.int64, device=dev)
         self.c_slots = torch.full((max(sizes),), self.scratch_slot, dtype=torch.int64, device=dev)

@@ -146,9 +146,9 @@ class GatedDeltaNet(nn.Module):
         sequence's first row in the step; positions: max(accepted) + 1 (or more). Fixed shapes: positions past
         a sequence's last kept one leave its state alone. The conv state is the last W inputs, so it is
         gathered from the old state and the kept pre-conv rows; the recurrence runs all positions in one call
-        and writes each slot once, its state after the last kept position. snapshots {t: [slots]}: keep copies of those
-        slots' states after position t (prefix-cache snapshots inside the verified run) in `self.snapshots`:
-        the step-by-step replay."""
+        and writes each slot once, its state after the last kept position. snapshots {t: [slots]}: keep copies
+        of those slots' states after position t (prefix-cache snapshots inside the verified run) in
+        `self.snapshots`: the step-by-step replay."""
         x, y, g, beta = (self.verify_x, self.verify_y, self.verify_g, self.verify_beta) \
             if total_rows <= self.verify_x.shape[0] else self._kept
         self._kept = None

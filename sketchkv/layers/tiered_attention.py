@@ -56,7 +56,8 @@ class TieredKV:
         # attends over the first `count` of them (the decode kernel reads each K/V tile once for all of a
         # sequence's rows: row_groups). Otherwise each row reads its own; the first row of a
         # sequence admits its misses (the hot buffer's CLOCK places one row's misses per partition).
-        lasts = ctx.verify_lasts if ctx.verify_leaders is not None and self.verify_shared else None
+        groups = self.verify_groups(ctx) if self.verify_shared else None   # (QSA layers never share)
+        lasts = None if groups is None else groups[1]
         read = slice(None) if lasts is None else lasts   # the rows whose positions the tier reads
         k, v, miss, records = self.tier.gather(self.layer, idx[read, 0], counts[read], block_tables[read],
                                                seq_lens[read], state_slots[read])
@@ -66,9 +67,7 @@ class TieredKV:
                   + torch.arange(nb, device=q.device, dtype=torch.int32)[None])
         out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                     tables, counts, self.scale,
-                                     row_groups=None if lasts is None else (ctx.verify_leaders, lasts, ctx.verify_group,
-                                                                            self.verify_extra + 1))
+                                     tables, counts, self.scale, row_groups=groups)
         if lasts is not None:
             pids = pids[lasts]
         elif ctx.verify_leaders is not None:

@@ -222,9 +222,10 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     indices: [B, 1 or Hkv, N] int32 token positions (sparse decode); then seq_lens[b] counts the
     valid entries of row b and the kernel attends to exactly those tokens.
     row_groups (firsts, lasts, group, most_rows): the query rows come in groups firsts[g]..lasts[g] (at most
-    most_rows each; group [rows]: each row's g) that attend to prefixes of one token list: block_tables / indices then have one row per
-    group, seq_lens one entry per query row (row r attends to the first seq_lens[r] tokens of its group's
-    list, the last row of a group to the most), and each K/V tile is read once per group."""
+    most_rows each; group [rows]: each row's g) that attend to prefixes of one token list: block_tables /
+    indices then have one row per group, seq_lens one entry per query row (row r attends to the first
+    seq_lens[r] tokens of its group's list, the last row of a group to the most), and each K/V tile is
+    read once per group."""
     R, Hq, D = q.shape
     firsts, lasts, group, most_rows = row_groups if row_groups is not None else (seq_lens, seq_lens, seq_lens, 1)
     B = firsts.shape[0] if row_groups is not None else R   # programs' sequences: groups, or rows
