@@ -315,6 +315,19 @@ def test_interp_store_write_kernel_roundtrip(fmt):
     assert torch.equal(host_scatter_rows(dst.clone(), s, src), host_scatter_rows_ref(dst.clone(), s, src))
 
 
+@needs_interp
+@pytest.mark.parametrize("D", [256, 32])
+def test_interp_pack_int4_kernel_is_reference_bytes(D):
+    """The int4 record kernel writes the reference's bytes (IEEE division, round half to even, fp16 scales),
+    including exact ties, all-zero groups and strided heads."""
+    k, v = kv_like((2, 9, 3, 2 * D), seed=7).unbind(0)
+    k, v = k[..., :D] * 3, v[..., D:] * 1e-3
+    k[0, 0] = 0
+    s = (k[1, 1, :min(64, D)].abs().amax() / 7.0).half().float()
+    k[1, 1, 5] = 2.5 * s                                        # a tie: rounds to the even code 2
+    assert torch.equal(qk.pack_kv_int4_triton(k, v), qk.pack_kv_ref(k, v, "int4"))
+
+
 # ---- hot buffer: windowed CLOCK -------------------------------------------------------------------
 
 class SequentialClock:
@@ -542,6 +555,13 @@ def test_hot_buffer_invalidate():
 
 
 # ---- GPU (H200) --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_pack_int4_kernel_is_reference_bytes():
+    k, v = kv_like((2, 64, 4, 256), seed=8).unbind(0)
+    k, v = (k * 4).cuda().bfloat16(), v.cuda().bfloat16()
+    assert torch.equal(qk.pack_kv_int4_triton(k, v), qk.pack_kv_ref(k, v, "int4"))
+
 
 @pytest.mark.gpu
 @needs_cuda

@@ -19,13 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sketchkv.ops.causal_conv1d import (causal_conv1d_decode, causal_conv1d_decode_fla, causal_conv1d_decode_ref,
-                                        causal_conv1d_varlen, causal_conv1d_varlen_fla, causal_conv1d_varlen_ref,
-                                        conv_state_shape)
-from sketchkv.ops.gated_delta_rule import (gated_delta_rule_decode, gated_delta_rule_decode_fla,
-                                           gated_delta_rule_decode_ref, gated_delta_rule_positions,
-                                           gated_delta_rule_positions_fla, gated_delta_rule_positions_ref,
-                                           gated_delta_rule_varlen, gated_delta_rule_varlen_ref)
+from sketchkv.ops.causal_conv1d import (causal_conv1d_decode, causal_conv1d_decode_ref, causal_conv1d_rows,
+                                        causal_conv1d_rows_ref, causal_conv1d_varlen, causal_conv1d_varlen_fla,
+                                        causal_conv1d_varlen_ref, conv_state_shape)
+from sketchkv.ops.gated_delta_rule import (gated_delta_rule_decode, gated_delta_rule_decode_ref,
+                                           gated_delta_rule_positions, gated_delta_rule_rows,
+                                           gated_delta_rule_rows_ref, gated_delta_rule_varlen,
+                                           gated_delta_rule_varlen_ref)
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 try:
@@ -284,18 +284,64 @@ def test_fla_interpreter_child():
                        env=env, capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "4 passed" in out and "skipped" not in out, out[-4000:]  # the child must really run them
+    assert "3 passed" in out and "skipped" not in out, out[-4000:]  # the child must really run them
+
+
+def rows_decode(q, k, v, g, beta, states, slots):
+    """One-token decode through the rows kernel (the engine's decode call on CUDA)."""
+    return gated_delta_rule_rows(q, k, v, g, beta, states, slots, torch.arange(q.shape[0], device=q.device), 1,
+                                 write=True)
+
+
+def conv_rows_case(N, T, D, W, dtype=torch.float32, device="cpu", num_slots=S, seed=0):
+    """Pre-conv rows of N sequences x T positions inside a wider buffer (strided, as the fused in_proj's
+    output), the slots they start from and the position each keeps."""
+    x, w, b, states = conv_inputs([T] * N, D, W, dtype, device, num_slots=num_slots, seed=seed)
+    x = torch.cat([x, torch.randn_like(x)[:, :5]], 1)[:, :D]
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))[:N].to(device)
+    kept = torch.randint(0, T, (N,), generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    return x, w, b, states, slots, torch.arange(N, device=device) * T, kept
+
+
+def assert_conv_rows_are_stepwise(case, T):
+    """causal_conv1d_rows over T positions == T one-position calls, bitwise: outputs (verification writes no
+    state), and with kept the slot's state after the kept position, other slots untouched."""
+    x, w, b, states, slots, rows0, kept = case
+    before = states.clone()
+    work, want = states.clone(), states.clone()
+    y_want = torch.empty_like(x)
+    for t in range(T):
+        y_want[rows0 + t] = causal_conv1d_rows(x, w, b, work, slots, rows0 + t, 1, write=True)[rows0 + t]
+        hit = kept == t
+        want[slots[hit]] = work[slots[hit]]
+    rows = (rows0[:, None] + torch.arange(T, device=x.device)).flatten()
+    assert torch.equal(causal_conv1d_rows(x, w, b, states, slots, rows0, T)[rows], y_want[rows])
+    assert torch.equal(states, before)
+    assert causal_conv1d_rows(x, w, b, states, slots, rows0, T, kept, write=True, store_y=False) is None
+    assert torch.equal(states, want)
+    return before
 
 
 @needs_interp
-def test_interp_conv_decode_fla():
+def test_interp_conv_rows_kernel():
+    """Our conv kernel: decode (one position, strided rows, state in place) against the reference, and T
+    positions in one call against T one-position calls (bitwise) and the reference."""
     D, W = 24, 4
     x, w, b, states = conv_inputs([1, 1, 1], D, W)
+    x = torch.cat([x, x], 1)[:, :D]
     st_ref, slots = states.clone(), torch.tensor(SLOTS)
-    y = causal_conv1d_decode_fla(x, w, b, states, slots)
-    y_ref = causal_conv1d_decode_ref(x, w, b, st_ref, slots)
-    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    y = causal_conv1d_rows(x, w, b, states, slots, torch.arange(3), 1, write=True)
+    torch.testing.assert_close(y, causal_conv1d_decode_ref(x, w, b, st_ref, slots), atol=1e-5, rtol=1e-5)
     assert torch.equal(states, st_ref)
+    case = conv_rows_case(3, 5, D, W)
+    before = assert_conv_rows_are_stepwise(case, 5)
+    x, w, b, _, slots, rows0, kept = case
+    st_ref = before.clone()
+    y_ref = causal_conv1d_rows_ref(x, w, b, st_ref, slots, rows0, 5, kept, write=True)
+    y = causal_conv1d_rows(x, w, b, before, slots, rows0, 5, kept, write=True)
+    upto = (rows0[:, None] + torch.arange(5)[None])[torch.arange(5)[None] <= kept[:, None]]
+    torch.testing.assert_close(y[upto], y_ref[upto], atol=1e-5, rtol=1e-5)
+    assert torch.equal(before, st_ref)
 
 
 @needs_interp
@@ -311,26 +357,25 @@ def test_interp_conv_varlen_fla():
 
 
 @needs_interp
-def test_interp_gdn_decode_fla():
+def test_interp_gdn_rows_kernel():
+    """Our recurrence kernel: decode (strided q, state in place) against the reference; all positions in one
+    call == one token at a time, bitwise (outputs and kept states), and close to the reference."""
     Hk, Hv, Dk, Dv = 2, 4, 16, 8
     q, k, v, g, beta, states = gdn_inputs(3, Hk, Hv, Dk, Dv)
     q = torch.cat([q, k], -1)[..., :Dk]  # a strided view, like the engine's qkv split
     st_ref, slots = states.clone(), torch.tensor(SLOTS)
-    o = gated_delta_rule_decode_fla(q, k, v, g, beta, states, slots)
+    o = rows_decode(q, k, v, g, beta, states, slots)
     o_ref = gated_delta_rule_decode_ref(q, k, v, g, beta, st_ref, slots)
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, st_ref, atol=1e-5, rtol=1e-5)
     assert untouched(states, st_ref, SLOTS)
-
-
-@needs_interp
-def test_interp_gdn_positions_fla():
-    """fla, all positions in one call == fla one token at a time, bitwise (outputs and kept states)."""
     case = positions_case(3, 4, 2, 4, 16, 8)
-    _, before = assert_positions_are_stepwise(gated_delta_rule_positions_fla, gated_delta_rule_decode_fla, case)
+    _, before = assert_positions_are_stepwise(gated_delta_rule_positions, rows_decode, case)
     q, k, v, g, beta, _, slots, _ = case
-    torch.testing.assert_close(gated_delta_rule_positions_fla(q, k, v, g, beta, before, slots),
-                               gated_delta_rule_positions_ref(q, k, v, g, beta, before, slots), atol=1e-5, rtol=1e-5)
+    flat = [t.flatten(0, 1) for t in (q, k, v, g, beta)]
+    rows0 = torch.arange(3) * 4
+    torch.testing.assert_close(gated_delta_rule_positions(q, k, v, g, beta, before, slots).flatten(0, 1),
+                               gated_delta_rule_rows_ref(*flat, before.clone(), slots, rows0, 4), atol=1e-5, rtol=1e-5)
 
 
 # --- GPU, real sizes ------------------------------------------------------------------------------
@@ -409,9 +454,16 @@ def test_gpu_gdn_decode():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_gdn_positions_is_stepwise_decode():
-    """8 positions x 8 sequences in one fla call == 8 one-token fla calls, bitwise, at real head sizes (bf16)."""
+    """8 positions x 8 sequences in one call of our kernel == 8 one-token calls, bitwise, at real head sizes (bf16)."""
     assert_positions_are_stepwise(gated_delta_rule_positions, gated_delta_rule_decode,
                                   positions_case(8, 8, HK, HV, DK, DV, torch.bfloat16, "cuda", num_slots=16))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_conv_rows_is_stepwise():
+    """8 positions x 8 sequences of our conv kernel in one call == 8 one-position calls, bitwise, at real sizes."""
+    assert_conv_rows_are_stepwise(conv_rows_case(8, 8, CD, CW, torch.bfloat16, "cuda", num_slots=16), 8)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,86 @@ def test_interp_kernel_matches_reference(kind, dtype):
     torch.testing.assert_close(out, ref, **tol)
 
 
+@needs_interp
+@pytest.mark.parametrize("kind", [ZERO_CENTERED, PLAIN])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_residual_kernel_matches_reference(kind, dtype):
+    torch.manual_seed(10 + kind)
+    x, r = torch.randn(6, 96, dtype=dtype) * 3, torch.randn(6, 96, dtype=dtype) * 3
+    w = torch.randn(96, dtype=dtype)
+    out, s = rms_norm(x, w, 1e-6, kind, residual=r)
+    ref, ref_s = rms_norm_ref(x, w, 1e-6, kind, residual=r)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2.4e-2, atol=1e-2)
+    torch.testing.assert_close(s, ref_s, **tol)
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_residual_reference_is_add_then_norm():
+    x, r, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64)
+    out, s = rms_norm_ref(x, w, 1e-6, ZERO_CENTERED, residual=r)
+    assert torch.equal(s, x + r) and torch.equal(out, rms_norm_ref(x + r, w, 1e-6, ZERO_CENTERED))
+
+
+def _rotary_inputs(dtype, device="cpu", T=5, D=32, rd=16):
+    from sketchkv.layers.rotary import RotaryEmbedding
+    rot = RotaryEmbedding(D, rd, 10000.0).to(device)
+    pos = torch.randint(0, 300_000, (T,), device=device)       # large angles: cos / sin come from torch
+    q = torch.randn(T, 6, 2 * D, dtype=dtype, device=device)[..., :D]   # a strided view, as after a split
+    k = torch.randn(T, 2, D, dtype=dtype, device=device)
+    return rot, pos, q, k
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rd", [16, 32])
+def test_interp_rotary_kernel_matches_reference(dtype, rd):
+    from sketchkv.ops.rotary import apply_rotary, apply_rotary_ref
+    torch.manual_seed(rd)
+    rot, pos, q, k = _rotary_inputs(dtype, rd=rd)
+    cos, sin = rot.cos_sin(pos)
+    qo, ko = apply_rotary(q, k, cos, sin, rd)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2.4e-2, atol=2e-2)
+    torch.testing.assert_close(qo, apply_rotary_ref(q, cos, sin, rd), **tol)
+    torch.testing.assert_close(ko, apply_rotary_ref(k, cos, sin, rd), **tol)
+    assert torch.equal(qo[..., rd:], q[..., rd:])              # the pass-through dims are copied
+    only_q, none = apply_rotary(q, None, cos, sin, rd)
+    assert none is None and torch.equal(only_q, qo)
+
+
+def test_rotary_reference_matches_transformers():
+    from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb   # partial rotary
+    from sketchkv.ops.rotary import apply_rotary_ref
+    rot, pos, q, k = _rotary_inputs(torch.bfloat16, rd=16)
+    cos, sin = rot.cos_sin(pos)
+    # transformers' rotary module hands cos / sin over in the activation dtype
+    qt, kt = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None].bfloat16(),
+                                  sin[None].bfloat16())
+    assert torch.equal(apply_rotary_ref(q, cos, sin, 16), qt[0].transpose(0, 1))
+    assert torch.equal(apply_rotary_ref(k, cos, sin, 16), kt[0].transpose(0, 1))
+
+
+def test_rotary_cos_sin_computed_once_per_forward():
+    from sketchkv.engine.context import Context, forward_context
+    rot, pos, _, _ = _rotary_inputs(torch.float32)
+    other, _, _, _ = _rotary_inputs(torch.float32)          # a second layer, same config
+    ctx = Context(*([None] * 7), is_decode=True, max_seq_len=0)
+    with forward_context(ctx):
+        c1, _ = rot.cos_sin(pos)
+        c2, _ = other.cos_sin(pos)
+        c3, _ = rot.cos_sin(pos.clone())                     # other positions: computed again
+    assert c1 is c2 and c3 is not c1 and torch.equal(c3, c1)
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_silu_and_mul_matches_reference(dtype):
+    from sketchkv.ops.silu_and_mul import silu_and_mul, silu_and_mul_ref
+    torch.manual_seed(5)
+    x = torch.randn(3, 2, 2 * 1100, dtype=dtype) * 4       # I = 1100: two column tiles, the second partial
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2.4e-2, atol=1e-2)
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **tol)
+
+
 def test_interpreter_child():
     run_interpreter_tests(__file__, pa._INTERPRETED)
 
@@ -53,6 +133,28 @@ def test_gpu_kernel_matches_reference(kind):
     ref = rms_norm_ref(x, w, 1e-6, kind, g)
     # same roundings; only the fp32 reduction order differs -> at most one bf16 ulp here and there
     assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 1.6e-2 + 1e-3).all()
+
+
+@pytest.mark.gpu
+def test_gpu_fused_elementwise_kernels_match_torch():
+    """Residual RMSNorm, RoPE and silu_and_mul at the 27B shape against the torch ops they replace."""
+    from sketchkv.ops.rotary import apply_rotary, apply_rotary_ref
+    from sketchkv.ops.silu_and_mul import silu_and_mul, silu_and_mul_ref
+    x, r = torch.randn(64, 5120, device="cuda", dtype=torch.bfloat16), torch.randn(64, 5120, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(5120, device="cuda", dtype=torch.bfloat16)
+    out, s = rms_norm(x, w, 1e-6, ZERO_CENTERED, residual=r)
+    ref, ref_s = rms_norm_ref(x, w, 1e-6, ZERO_CENTERED, residual=r)
+    assert torch.equal(s, ref_s)
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 1.6e-2 + 1e-3).all()
+    rot, pos, q, k = _rotary_inputs(torch.bfloat16, "cuda", T=64, D=256, rd=64)
+    cos, sin = rot.cos_sin(pos)
+    qo, ko = apply_rotary(q, k, cos, sin, 64)
+    assert torch.equal(qo, apply_rotary_ref(q, cos, sin, 64)) and torch.equal(ko, apply_rotary_ref(k, cos, sin, 64))
+    h = torch.randn(64, 2 * 17408, device="cuda", dtype=torch.bfloat16) * 3
+    got, want = silu_and_mul(h), silu_and_mul_ref(h)
+    # exp differs in the last fp32 bits from torch's: at most one bf16 step in the product here and there
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 1.6e-2 + 1e-6).all()
+    assert (got != want).float().mean() < 0.01
 
 
 # ---- Gated DeltaNet gates (same file: small elementwise kernels of the decode step) ----------------

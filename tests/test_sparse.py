@@ -294,6 +294,45 @@ def test_interp_compose_selection_kernel_matches_reference():
         assert torch.equal(idx, ref_idx) and torch.equal(counts, ref_counts)
 
 
+def _sketch_write_case(H, D, r, T, device="cpu"):
+    g = torch.Generator().manual_seed(H * D + r)
+    k = torch.randn(T, H, 2 * D, generator=g)[..., :D]           # strided heads, as after the qkv split
+    mean = torch.randn(H, D, generator=g) * 0.1
+    basis = torch.linalg.qr(torch.randn(H, D, D, generator=g))[0][..., :r].contiguous()
+    slots = torch.randperm(64, generator=g)[:T]
+    return [t.to(device) for t in (k, mean, basis, slots)]
+
+
+def _assert_sketch_write_matches(k, mean, basis, slots):
+    from sketchkv.ops.sketch import sketch_keys_ref, sketch_write
+    H, r = basis.shape[0], basis.shape[-1]
+    sk = torch.zeros(8, 8, H, r // 2, dtype=torch.uint8, device=k.device)
+    sc = torch.zeros(8, 8, H, dtype=torch.float16, device=k.device)
+    sketch_write(k, mean, basis, sk, sc, slots)
+    p, s = sketch_keys_ref(k, mean, basis)
+    gp, gs = sk.view(-1, H, r // 2)[slots], sc.view(-1, H)[slots]
+    # the kernel sums the projection in another order: a code may move by one at a rounding boundary
+    lo = lambda x: (x & 15).int()  # noqa: E731
+    hi = lambda x: (x >> 4).int()  # noqa: E731
+    assert ((lo(gp) - lo(p)).abs().max() <= 1) and ((hi(gp) - hi(p)).abs().max() <= 1)
+    assert (gp != p).float().mean() < 0.01
+    torch.testing.assert_close(gs.float(), s.float(), rtol=2e-3, atol=0)
+    untouched = torch.ones(64, dtype=torch.bool, device=k.device)
+    untouched[slots] = False
+    assert (sk.view(-1, H, r // 2)[untouched] == 0).all()
+
+
+@needs_interp
+@pytest.mark.parametrize("H,D,r", [(4, 256, 64), (2, 32, 8)])
+def test_interp_sketch_write_kernel_matches_reference(H, D, r):
+    _assert_sketch_write_matches(*_sketch_write_case(H, D, r, 7))
+
+
+@pytest.mark.gpu
+def test_gpu_sketch_write_kernel_matches_reference():
+    _assert_sketch_write_matches(*_sketch_write_case(4, 256, 64, 64, "cuda"))
+
+
 def test_interpreter_child():
     run_interpreter_tests(__file__, pa._INTERPRETED)
 

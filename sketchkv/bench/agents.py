@@ -831,9 +831,9 @@ def markdown(r: dict, png: str) -> str:
                               "GPU time of every kernel a step runs, summed by kind (`sketchkv/bench/breakdown.py`, "
                               "KERNEL_KINDS). Kernel sum < graph step: gaps between kernels.", "kernel sum", ref)
         big = kbds[-1]
-        L += ["", f"Top kernels of {big['label']}, {big['agents']} x {C.fmt_len(big['context'])} (per step):", "",
+        L += ["", f"Top kernels of {big['label']}, {big['agents']} x {C.fmt_len(big['context'])} (per step; all in the JSON):", "",
               "| kernel | kind | calls | us |", "|---|---|---|---|"]
-        L += [f"| `{k['name'][:80]}` | {k['kind']} | {k['calls']:.0f} | {k['us']:.0f} |" for k in big["breakdown"]["kernels"]]
+        L += [f"| `{k['name'][:80]}` | {k['kind']} | {k['calls']:.0f} | {k['us']:.0f} |" for k in big["breakdown"]["kernels"][:30]]
     if bds:
         from sketchkv.bench.breakdown import GROUPS
         L += _breakdown_table(bds, GROUPS, "Step time by layer group (eager steps; ms per step)",

@@ -132,7 +132,7 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def profile_kernels(engine, steps: int, top: int = 30) -> dict:
+def profile_kernels(engine, steps: int, top: int = 300) -> dict:
     """`steps` decode steps as the benchmark runs them (CUDA graphs) under torch.profiler.
     -> {"ms": {kind: ms per step}, "total_ms", "steps", "kernels": [{name, kind, calls, us} per step]}."""
     from torch.profiler import ProfilerActivity, profile

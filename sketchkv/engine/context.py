@@ -6,7 +6,7 @@ sequence's tokens, KV blocks and recurrent-state slot are. Every sequence contri
 `query_len >= 1` new tokens (prefill chunk, one decode token, or several draft tokens to verify).
 """
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,8 @@ class Context:
     # Host tier only
     resident_rows: torch.Tensor | None = None  # [T] int64: row of each new token in the tier's sinks/recent ring
     hot_pids: torch.Tensor | None = None       # [B] int64: hot-buffer partition of each sequence
+    # Values of this forward that every layer would otherwise recompute (RoPE cos / sin, layers/rotary.py)
+    cache: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -77,6 +79,11 @@ _CONTEXT: Context | None = None
 def set_context(ctx: Context | None) -> None:
     global _CONTEXT
     _CONTEXT = ctx
+
+
+def current_context() -> Context | None:
+    """The forward context, or None outside a forward (a model called directly, as the parity tests do)."""
+    return _CONTEXT
 
 
 def get_context() -> Context:

@@ -6,9 +6,8 @@ import torch.nn.functional as F
 from sketchkv.engine.context import get_context
 from sketchkv.layers.norms import GatedRMSNorm
 from sketchkv.models.fuse import fuse_linears
-from sketchkv.ops.causal_conv1d import (causal_conv1d_decode, causal_conv1d_decode_rows, causal_conv1d_varlen,
-                                        conv_state_shape)
-from sketchkv.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_positions, gated_delta_rule_varlen
+from sketchkv.ops.causal_conv1d import causal_conv1d_decode, causal_conv1d_rows, causal_conv1d_varlen, conv_state_shape
+from sketchkv.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_rows, gated_delta_rule_varlen
 from sketchkv.ops.gdn_gates import gdn_gates
 
 
@@ -65,7 +64,6 @@ class GatedDeltaNet(nn.Module):
         if self.in_proj is not None:
             qkv, z, b, a = F.linear(x, self.in_proj).split(
                 [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-            qkv = qkv.contiguous()  # the conv kernels take dense rows
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
@@ -74,8 +72,8 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(self.forward_verify(qkv, z, g, beta, w, ctx).reshape(T, self.value_dim))
         if ctx.is_decode:
             qkv = causal_conv1d_decode(qkv, w, None, self.conv_state, ctx.state_slots)
-        else:
-            qkv = causal_conv1d_varlen(qkv, w, None, self.conv_state, ctx.state_slots, ctx.cu_seqlens_q)
+        else:  # fla's varlen conv takes dense rows (the decode kernels read the strided in_proj output)
+            qkv = causal_conv1d_varlen(qkv.contiguous(), w, None, self.conv_state, ctx.state_slots, ctx.cu_seqlens_q)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
@@ -97,19 +95,15 @@ class GatedDeltaNet(nn.Module):
         (prompt chunks) run varlen in place, as usual. -> gated output [T * Hv, Dv]."""
         vr, T = ctx.verify, qkv.shape[0]
         seq_slots = vr.steps[0][1]          # every decoding sequence has a row at position 0
-        conv_work = self.conv_state[seq_slots]      # transient copy (the recurrent state is read in place)
-        if vr.regular:  # [N, Q] rows: one conv step per position on strided views, one recurrence call
+        if vr.regular:  # [N, Q] rows: the conv and the recurrence over all positions, one kernel each, no writes
             N, Q = T // vr.regular, vr.regular
-            xv = qkv.view(N, Q, -1)
-            y = torch.stack([causal_conv1d_decode_rows(xv[:, t], w, None, conv_work) for t in range(Q)], 1)
-            y = y.view(T, -1)
+            rows0 = torch.arange(N, device=qkv.device) * Q
+            y = causal_conv1d_rows(qkv, w, None, self.conv_state, seq_slots, rows0, Q)
             self._keep(qkv, y, g, beta)
-            q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            o = gated_delta_rule_positions(q.reshape(N, Q, self.num_k_heads, self.head_k_dim),
-                                           k.reshape(N, Q, self.num_k_heads, self.head_k_dim),
-                                           v.reshape(N, Q, self.num_v_heads, self.head_v_dim), g.view(N, Q, -1),
-                                           beta.view(N, Q, -1), self.ssm_state, seq_slots)
+            o = gated_delta_rule_rows(*self._qkv_heads(y), g, beta, self.ssm_state, seq_slots, rows0, Q)
             return self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        qkv = qkv.contiguous()
+        conv_work = self.conv_state[seq_slots]      # transient copy (the recurrent state is read in place)
         y = torch.empty_like(qkv)
         if vr.other_rows is not None:
             y[vr.other_rows] = causal_conv1d_varlen(qkv[vr.other_rows], w, None, self.conv_state, vr.other_slots,
@@ -144,9 +138,9 @@ class GatedDeltaNet(nn.Module):
         """After a verification step: advance each decoding sequence's slot through its kept positions
         0..accepted[i] (its token + the accepted drafts) from the step's kept inputs. rows0 [B]: the
         sequence's first row in the step; positions: max(accepted) + 1 (or more). Fixed shapes: positions past
-        a sequence's last kept one leave its state alone. The conv state is the last W inputs, so it is
-        gathered from the old state and the kept pre-conv rows; the recurrence runs all positions in one call
-        and writes each slot once, its state after the last kept position. snapshots {t: [slots]}: keep copies
+        a sequence's last kept one leave its state alone. The verification's two kernels run again over the kept
+        inputs, up to each sequence's kept position, and write each slot once (the conv state: its last W
+        inputs; the recurrent state after the kept position, bitwise the one verification computed). snapshots {t: [slots]}: keep copies
         of those slots' states after position t (prefix-cache snapshots inside the verified run) in
         `self.snapshots`: the step-by-step replay."""
         x, y, g, beta = (self.verify_x, self.verify_y, self.verify_g, self.verify_beta) \
@@ -155,18 +149,16 @@ class GatedDeltaNet(nn.Module):
         self.snapshots = {}
         if snapshots:
             return self._replay_stepwise(x, g, beta, rows0, slots, accepted, positions, scratch_slot, snapshots)
-        N, W = slots.shape[0], self.conv_kernel
-        t = torch.arange(positions, device=slots.device)
-        rows = rows0[:, None] + torch.minimum(t[None], accepted[:, None])           # [N, positions]
-        old = self.conv_state[slots]                                                  # [N, D, W]
-        window = torch.cat([old, x[rows].transpose(1, 2).to(old.dtype)], 2)          # [N, D, W + positions]
-        last = (accepted[:, None] + 1 + torch.arange(W, device=slots.device))[:, None].expand(-1, old.shape[1], -1)
-        self.conv_state[slots] = window.gather(2, last)
-        q, k, v = torch.split(y[rows], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        gated_delta_rule_positions(q.reshape(N, positions, self.num_k_heads, self.head_k_dim),
-                                   k.reshape(N, positions, self.num_k_heads, self.head_k_dim),
-                                   v.reshape(N, positions, self.num_v_heads, self.head_v_dim), g[rows], beta[rows],
-                                   self.ssm_state, slots, accepted)
+        w = self.conv1d.weight.squeeze(1)
+        causal_conv1d_rows(x, w, None, self.conv_state, slots, rows0, positions, accepted, write=True, store_y=False)
+        gated_delta_rule_rows(*self._qkv_heads(y), g, beta, self.ssm_state, slots, rows0, positions, accepted,
+                              write=True, store_o=False)
+
+    def _qkv_heads(self, y):
+        """Post-conv rows [R, conv_dim] -> q, k [R, Hk, Dk], v [R, Hv, Dv] (views)."""
+        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)), k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
     def _replay_stepwise(self, x, g, beta, rows0, slots, accepted, positions, scratch_slot, snapshots) -> None:
         w = self.conv1d.weight.squeeze(1)

@@ -4,6 +4,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from sketchkv.models.fuse import fuse_linears
+from sketchkv.ops.silu_and_mul import silu_and_mul
 
 
 class MLP(nn.Module):
@@ -19,10 +20,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(silu_and_mul(F.linear(x, self.gate_up)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoE(nn.Module):

@@ -13,8 +13,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, PLAIN)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """-> norm(x); with residual: (norm(x + residual), x + residual), one kernel on the GPU."""
+        return rms_norm(x, self.weight, self.eps, PLAIN, residual=residual)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -25,8 +26,9 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, ZERO_CENTERED)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """-> norm(x); with residual: (norm(x + residual), x + residual), one kernel on the GPU."""
+        return rms_norm(x, self.weight, self.eps, ZERO_CENTERED, residual=residual)
 
 
 class GatedRMSNorm(nn.Module):

@@ -4,6 +4,9 @@ import math
 import torch
 from torch import nn
 
+from sketchkv.engine.context import current_context
+from sketchkv.ops.rotary import apply_rotary
+
 
 def _llama3_scale(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     factor = rope["factor"]
@@ -29,26 +32,29 @@ class RotaryEmbedding(nn.Module):
         elif rope_type not in ("default", None):
             raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.key = ("rotary", rotary_dim, base, repr(sorted((rope_scaling or {}).items())))   # forward-cache key
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hk, D]; rotates the first rotary_dim dims of each head."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos / sin [T, rotary_dim] of the positions (transformers' arithmetic). Computed by the first
+        layer of a forward and reused by the others with the same rotary config (kept in the forward
+        context with the positions tensor they belong to)."""
+        ctx = current_context()
+        hit = ctx.cache.get(self.key) if ctx is not None else None
+        if hit is not None and hit[0] is positions:
+            return hit[1], hit[2]
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+        cos, sin = emb.cos(), emb.sin()
+        if ctx is not None:
+            ctx.cache[self.key] = (positions, cos, sin)
+        return cos, sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hk, D]; rotates the first rotary_dim dims of each head (new tensors)."""
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(q, k, cos, sin, self.rotary_dim)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """One tensor x [T, H, Dx] (Dx >= rotary_dim): the first rotary_dim dims of each head rotated."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return _apply(x, emb.cos()[:, None, :], emb.sin()[:, None, :], self.rotary_dim)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int) -> torch.Tensor:
-    # Same op order and dtype as transformers: cos/sin cast to the activation dtype first.
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    out = x_rot * cos + rotated * sin
-    return torch.cat((out, x_pass), dim=-1) if rd < x.shape[-1] else out
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(x, None, cos, sin, self.rotary_dim)[0]

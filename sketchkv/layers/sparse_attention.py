@@ -15,7 +15,7 @@ from sketchkv.config import SparseConfig
 from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
 from sketchkv.ops.selection import SENTINEL, compose_selection
-from sketchkv.ops.sketch import exact_key_scores, quantize_int4, sketch_score
+from sketchkv.ops.sketch import exact_key_scores, sketch_keys_ref, sketch_score, sketch_write
 from sketchkv.ops.sparse_attention import sparse_attention
 from sketchkv.ops.topk import topk_positions
 from sketchkv.parallel.comm import reduce_selection_scores
@@ -37,14 +37,10 @@ class SparseAttention(Attention):
         self.tensor_parallel = False          # our heads are one rank's share (parallel/tensor_parallel.py)
 
     def sketch_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        proj = torch.einsum("thd,hdr->thr", k.float() - self.mean, self.basis)
-        return quantize_int4(proj)
+        return sketch_keys_ref(k, self.mean, self.basis)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx = get_context()
-        packed, scale = self.sketch_keys(k)
-        self.sketch.view(-1, self.num_kv_heads, self.rank // 2).index_copy_(0, ctx.slot_mapping, packed)
-        self.sketch_scale.view(-1, self.num_kv_heads).index_copy_(0, ctx.slot_mapping, scale)
+        sketch_write(k, self.mean, self.basis, self.sketch, self.sketch_scale, get_context().slot_mapping)
         return super().forward(q, k, v)
 
     def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:

@@ -63,8 +63,7 @@ class TieredKV:
                                                seq_lens[read], state_slots[read])
         B, Np = miss.shape
         nb = Np // ATTN_BLOCK
-        tables = (torch.arange(B, device=q.device, dtype=torch.int32)[:, None] * nb
-                  + torch.arange(nb, device=q.device, dtype=torch.int32)[None])
+        tables = torch.arange(B * nb, device=q.device, dtype=torch.int32).view(B, nb)   # row b: its own nb blocks
         out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      tables, counts, self.scale, row_groups=groups)

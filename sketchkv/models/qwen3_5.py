@@ -53,7 +53,7 @@ class GatedAttention(nn.Module):
         v = v.reshape(T, Hkv, D)
         q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v, **self.core_inputs(positions, x)).reshape(T, -1)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
+        return self.o_proj((o.view(T, H, D) * torch.sigmoid(gate)).view(T, -1))   # gate: a strided view, no copy
 
 
 class DecoderLayer(nn.Module):
@@ -74,11 +74,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: the previous layer's MLP output (the embeddings for the first layer, residual None), residual:
+        the stream before it -> (this layer's MLP output, the stream before it). The residual adds ride in
+        the norms' kernels (vLLM's layout); the stream after the layer is the sum of the two."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
         h = self.linear_attn(h) if self.layer_type == "linear_attention" else self.self_attn(positions, h)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class MTP(nn.Module):
@@ -101,9 +107,10 @@ class MTP(nn.Module):
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat batch: embeddings of tokens t+1 and hidden states at t, [T, hidden] -> normed hidden [T, hidden]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -122,10 +129,10 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat batch: input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(positions, x)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -6,12 +6,24 @@ on the left for sequences shorter than W. Only columns 1..W-1 feed the next outp
 because fla's kernels read and write W columns, so the GPU path needs no relayout (transformers'
 Qwen3-Next cache also keeps W columns).
 
-Fast path (CUDA): fla's Triton kernels. fla indexes states by batch row, not by slot, so we gather
-states[state_slots] in and scatter the result back (a few KB per sequence; graph-safe index ops).
+Fast path (CUDA): prefill through fla's varlen kernel (it indexes states by batch row, not by slot, so
+we gather states[state_slots] in and scatter the result back). Decode and speculative verification through
+our kernel over state slots (`causal_conv1d_rows`): T positions per sequence from strided input rows (the
+fused in_proj's output as it is), the state read in place and optionally written after a chosen position;
+it replaces fla's update kernel plus the copies, gathers and scatters around it (9 kernels per GDN layer of
+a verification step at n = 7 became 1).
 Reference (CPU): fp32 math, cast to x.dtype at the end, like fla's fp32 accumulation.
 """
+import os
+
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 
 
 def conv_state_shape(dim, width):
@@ -54,11 +66,101 @@ def causal_conv1d_varlen_fla(x, weight, bias, states, state_slots, cu_seqlens):
     return y[0]
 
 
-def causal_conv1d_decode_fla(x, weight, bias, states, state_slots):
-    cache = states[state_slots]  # fla updates batch row n of its cache in place
-    y = causal_conv1d_decode_rows(x, weight, bias, cache)
-    states[state_slots] = cache
+def causal_conv1d_rows_ref(x, weight, bias, states, slots, rows0, T: int, kept=None, write: bool = False):
+    """See causal_conv1d_rows."""
+    N = slots.shape[0]
+    work = states[slots].clone()
+    local = torch.arange(N, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    last = kept if kept is not None else torch.full((N,), T - 1, device=x.device)
+    keep = work.clone()
+    for t in range(T):
+        rows = rows0 + t
+        live = t <= last if kept is not None else torch.ones(N, dtype=torch.bool, device=x.device)
+        r = rows[live] if kept is not None else rows
+        if r.numel():
+            y[r] = causal_conv1d_decode_ref(x[r], weight, bias, work, local[live])
+            hit = last == t
+            keep[hit] = work[hit]
+    if write:
+        states[slots] = keep
     return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _conv_rows_kernel(x_ptr, w_ptr, b_ptr, s_ptr, slots_ptr, rows0_ptr, kept_ptr, y_ptr, T, D, stride_x, stride_y,
+                          W: tl.constexpr, WP: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          WRITE: tl.constexpr, HAS_KEPT: tl.constexpr, STORE_Y: tl.constexpr):
+        # program (sequence n, BD channels): positions t = 0..T-1 are rows rows0[n] + t. The window of position t
+        # is inputs t-W+1 .. t: rows of x for i >= 0, columns W+i of the slot's state (its last inputs) for i < 0.
+        # WRITE: the state after position `last` (kept[n], or T - 1) replaces the slot's, after a barrier (every
+        # read of the old state first; this program owns these channels of this slot).
+        n = tl.program_id(0)
+        od = tl.program_id(1) * BD + tl.arange(0, BD)
+        md = od < D
+        ow = tl.arange(0, WP)
+        mw = ow < W
+        slot = tl.load(slots_ptr + n).to(tl.int64)
+        row0 = tl.load(rows0_ptr + n).to(tl.int64)
+        p_s = s_ptr + (slot * D + od[:, None]) * W
+        w = tl.load(w_ptr + od[:, None] * W + ow[None, :], mask=md[:, None] & mw[None, :], other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + od, mask=md, other=0.0).to(tl.float32)
+        last = T - 1
+        if HAS_KEPT:
+            last = tl.load(kept_ptr + n)
+        steps = T
+        if not STORE_Y:
+            steps = 0
+        for t in range(0, steps):
+            i = t - W + 1 + ow
+            xs = tl.load(x_ptr + (row0 + i[None, :]) * stride_x + od[:, None], mask=md[:, None] & (mw & (i >= 0))[None, :],
+                         other=0.0)
+            ss = tl.load(p_s + (W + i)[None, :], mask=md[:, None] & (mw & (i < 0))[None, :], other=0.0)
+            win = tl.where((i >= 0)[None, :], xs.to(tl.float32), ss.to(tl.float32))
+            y = tl.sum(win * w, 1)
+            if HAS_BIAS:
+                y += bias
+            y = y * tl.sigmoid(y)
+            live = True
+            if HAS_KEPT:
+                live = t <= last
+            tl.store(y_ptr + (row0 + t) * stride_y + od, y.to(y_ptr.dtype.element_ty), mask=md & live)
+        if WRITE:
+            i = last - W + 1 + ow
+            xs = tl.load(x_ptr + (row0 + i[None, :]) * stride_x + od[:, None], mask=md[:, None] & (mw & (i >= 0))[None, :],
+                         other=0.0)
+            ss = tl.load(p_s + (W + i)[None, :], mask=md[:, None] & (mw & (i < 0))[None, :], other=0.0)
+            new = tl.where((i >= 0)[None, :], xs.to(s_ptr.dtype.element_ty), ss)
+            tl.debug_barrier()
+            tl.store(p_s + ow[None, :], new, mask=md[:, None] & mw[None, :])
+
+
+def causal_conv1d_rows(x, weight, bias, states, slots, rows0, T: int, kept=None, write: bool = False,
+                       store_y: bool = True):
+    """T positions of N sequences over their state slots, without touching other slots: sequence n's positions
+    are rows rows0[n] + t of x [R, D] (rows may be strided; channels contiguous) -> y [R, D] at the same rows
+    (rows no sequence covers are left unset; None with store_y=False). write: the slot's state becomes the one
+    after position kept[n] (None: T - 1), i.e. its last W inputs; with kept, outputs past it are not written.
+    Decode (T = 1, write), verification (T = 1 + n, no write) and the commit's replay (write, kept, no y) run this
+    one kernel, so their arithmetic is the same. CUDA-graph capturable."""
+    if not (x.is_cuda or (triton is not None and os.environ.get("TRITON_INTERPRET") == "1")):
+        y = causal_conv1d_rows_ref(x, weight, bias, states, slots, rows0, T, kept, write)
+        return y if store_y else None
+    R, D = x.shape
+    W = weight.shape[1]
+    assert x.stride(1) == 1 and weight.is_contiguous() and states.is_contiguous() and states.shape[1:] == (D, W)
+    y = torch.empty(R, D, dtype=x.dtype, device=x.device) if store_y else x
+    N = slots.shape[0]
+    BD = 256
+    if N:
+        _conv_rows_kernel[(N, triton.cdiv(D, BD))](
+            x, weight, bias if bias is not None else weight, states, slots, rows0, kept if kept is not None else slots,
+            y, T, D, x.stride(0), y.stride(0), W=W, WP=triton.next_power_of_2(W), BD=BD, HAS_BIAS=bias is not None,
+            WRITE=write, HAS_KEPT=kept is not None, STORE_Y=store_y, num_warps=4)
+    return y if store_y else None
 
 
 def causal_conv1d_varlen(x, weight, bias, states, state_slots, cu_seqlens):
@@ -79,8 +181,9 @@ def causal_conv1d_decode_rows(x, weight, bias, cache):
 
 
 def causal_conv1d_decode(x, weight, bias, states, state_slots):
-    """x [N, D], one token per sequence -> [N, D]. CUDA-graph capturable (after one warm-up call,
-    which runs fla's autotuning)."""
+    """x [N, D] (rows may be strided), one token per sequence -> [N, D]; each slot's state advanced in place.
+    CUDA-graph capturable."""
     if x.is_cuda:
-        return causal_conv1d_decode_fla(x, weight, bias, states, state_slots)
+        rows0 = torch.arange(x.shape[0], device=x.device)
+        return causal_conv1d_rows(x, weight, bias, states, state_slots, rows0, 1, write=True)
     return causal_conv1d_decode_ref(x, weight, bias, states, state_slots)

@@ -9,13 +9,23 @@ states [S, Hv, Dk, Dv] fp32 holding every slot (fla's default [K, V] layout, so 
 Fast path (CUDA), fla-core 0.6.0 kernels:
 - varlen: chunk_gated_delta_rule over the flat batch with cu_seqlens; it takes [N, ...] initial states
   and returns new final states, so we gather states[state_slots] and scatter back.
-- decode: fla's GDN fused-recurrent kernel has no state-index option, but its KDA decode kernel (taken
-  from vLLM) has one: it reads and writes states[ssm_state_indices[n]] in place. GDN is KDA with the
-  same decay on every key channel, so we pass g expanded over Dk; no gather/scatter of the ~3 MB per
-  sequence state, and no host sync, so it is CUDA-graph capturable.
+- decode, speculative verification and its replay: our kernel (`gated_delta_rule_rows`), T positions per
+  sequence from strided q / k / v rows (views of the conv output, no copies) with the scalar decay, the state
+  read from and (optionally) written back to its slot in place, kept in registers over the positions. fla
+  0.6.0's GDN recurrent kernel has no slot option and its KDA kernel (which does) wants the decay expanded
+  over Dk and contiguous inputs: 5 copies per layer and step, and in verification its slot mode writes the
+  state after every position (H200 runs 35, 37).
 Reference (CPU): fp32, per sequence; varlen in the chunked (UT transform) form, decode one step.
 """
+import os
+
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 
 
 def _l2norm(x, eps=1e-6):
@@ -81,58 +91,108 @@ def gated_delta_rule_varlen_fla(q, k, v, g, beta, states, state_slots, cu_seqlen
     return o[0].to(v.dtype)
 
 
-def gated_delta_rule_decode_fla(q, k, v, g, beta, states, state_slots):
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    N, Hv = g.shape
-    gk = g.float()[:, None, :, None].expand(N, 1, Hv, q.shape[-1]).contiguous()  # same decay on every key channel
-    # this internal entry point has no input_guard: its pointer math wants contiguous [N, 1, H, D]
-    q, k, v, beta = (t[:, None].contiguous() for t in (q, k, v, beta))
-    o, _ = fused_recurrent_kda_fwd(q, k, v, gk, beta, initial_state=states, inplace_final_state=True,
-                                   ssm_state_indices=state_slots, use_qk_l2norm_in_kernel=True)
-    return o[:, 0]
+if triton is not None:
+
+    @triton.jit
+    def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, h_ptr, slots_ptr, rows0_ptr, kept_ptr, T, scale,
+                         sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sb_r,
+                         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, WRITE: tl.constexpr, HAS_KEPT: tl.constexpr, STORE_O: tl.constexpr):
+        # program (sequence n, value head hv, BV value dims): the [Dk, BV] state tile in registers over the
+        # positions t (rows rows0[n] + t), read from the slot once and written at most once. HAS_KEPT: positions
+        # 0..kept[n] only (the commit's replay: the state after the kept position, no outputs needed).
+        n = tl.program_id(0)
+        hv = tl.program_id(1)
+        ov = tl.program_id(2) * BV + tl.arange(0, BV)
+        ok = tl.arange(0, BK)
+        mk, mv = ok < DK, ov < DV
+        hk = hv // (HV // HK)
+        slot = tl.load(slots_ptr + n).to(tl.int64)
+        row0 = tl.load(rows0_ptr + n).to(tl.int64)
+        p_h = h_ptr + ((slot * HV + hv) * DK + ok[:, None]) * DV + ov[None, :]
+        h = tl.load(p_h, mask=mk[:, None] & mv[None, :], other=0.0)
+        steps = T
+        if HAS_KEPT:
+            steps = tl.load(kept_ptr + n).to(tl.int32) + 1
+        for t in range(0, steps):
+            r = row0 + t
+            q = tl.load(q_ptr + r * sq_r + hk * sq_h + ok, mask=mk, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + r * sk_r + hk * sk_h + ok, mask=mk, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + r * sv_r + hv * sv_h + ov, mask=mv, other=0.0).to(tl.float32)
+            q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+            k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+            g = tl.load(g_ptr + r * sg_r + hv).to(tl.float32)
+            beta = tl.load(b_ptr + r * sb_r + hv).to(tl.float32)
+            h *= tl.exp(g)
+            v = (v - tl.sum(h * k[:, None], 0)) * beta
+            h += k[:, None] * v[None, :]
+            if STORE_O:
+                o = tl.sum(h * q[:, None], 0)
+                tl.store(o_ptr + (r * HV + hv) * DV + ov, o.to(o_ptr.dtype.element_ty), mask=mv)
+        if WRITE:
+            tl.store(p_h, h, mask=mk[:, None] & mv[None, :])
 
 
-def gated_delta_rule_positions_ref(q, k, v, g, beta, states, slots, kept=None):
+def gated_delta_rule_rows_ref(q, k, v, g, beta, states, slots, rows0, T: int, kept=None, write: bool = False):
+    """See gated_delta_rule_rows (one-token reference steps over a copy of the states)."""
     work = states[slots].clone()
-    local = torch.arange(q.shape[0], device=q.device)
-    o = torch.empty_like(v)
-    for t in range(q.shape[1]):
-        o[:, t] = gated_delta_rule_decode_ref(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], work, local)
-        if kept is not None:
-            hit = kept == t
-            states[slots[hit]] = work[hit]
+    N = slots.shape[0]
+    local = torch.arange(N, device=q.device)
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    last = kept if kept is not None else torch.full((N,), T - 1, device=q.device)
+    keep = work.clone()
+    for t in range(T):
+        live = t <= last
+        r = (rows0 + t)[live]
+        if r.numel():
+            sub = work[live]
+            o[r] = gated_delta_rule_decode_ref(q[r], k[r], v[r], g[r], beta[r], sub, torch.arange(r.numel(), device=q.device))
+            work[live] = sub
+        hit = last == t
+        keep[hit] = work[hit]
+    if write:
+        states[slots] = keep
     return o
 
 
-def gated_delta_rule_positions_fla(q, k, v, g, beta, states, slots, kept=None):
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    N, T, Hv = g.shape
-    if kept is not None:
-        # positions after a sequence's kept one become identity steps (decay exp(0) = 1, beta = 0: the state
-        # is multiplied by 1 and gets + 0, exactly), so the final state is the one after the kept position
-        live = (torch.arange(T, device=q.device)[None] <= kept[:, None])[..., None]
-        g, beta = torch.where(live, g, 0.0), torch.where(live, beta, 0.0)
-    gk = g.float()[..., None].expand(N, T, Hv, q.shape[-1]).contiguous()
-    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
-    # a copy of the states in batch order (fla's non-slot mode): the kernel then keeps the state in registers
-    # over the T positions and writes only the final one (its slot mode writes it after every position)
-    o, final = fused_recurrent_kda_fwd(q, k, v, gk, beta, initial_state=states[slots], inplace_final_state=False,
-                                       output_final_state=kept is not None, use_qk_l2norm_in_kernel=True)
-    if kept is not None:
-        states[slots] = final
-    return o
+def gated_delta_rule_rows(q, k, v, g, beta, states, slots, rows0, T: int, kept=None, write: bool = False,
+                          store_o: bool = True):
+    """T positions of N sequences: sequence n's positions are rows rows0[n] + t of q, k [R, Hk, Dk], v [R, Hv, Dv]
+    (strided rows and heads are fine; the head dims contiguous), g, beta [R, Hv]; it starts from
+    states[slots[n]] -> o [R, Hv, Dv] at the same rows (others left unset; None with store_o=False). write: the
+    slot's state becomes the one after position kept[n] (None: T - 1); with kept, only positions up to it run.
+    Decode (T = 1, write), verification (T = 1 + n, no write) and the commit's replay (kept, write, no
+    outputs) run the same kernel, so a replayed state is bitwise the one verification computed.
+    CUDA-graph capturable."""
+    if not (q.is_cuda or (triton is not None and os.environ.get("TRITON_INTERPRET") == "1")):
+        o = gated_delta_rule_rows_ref(q, k, v, g, beta, states, slots, rows0, T, kept, write)
+        return o if store_o else None
+    R, HK, DK = q.shape
+    HV, DV = v.shape[1], v.shape[2]
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and g.stride(1) == beta.stride(1) == 1
+    assert states.is_contiguous() and states.dtype == torch.float32
+    o = torch.empty(R, HV, DV, dtype=v.dtype, device=v.device) if store_o else v
+    N = slots.shape[0]
+    BV = 32
+    if N:
+        _gdn_rows_kernel[(N, HV, triton.cdiv(DV, BV))](
+            q, k, v, g, beta, o, states, slots, rows0, kept if kept is not None else slots, T, DK ** -0.5,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+            HK=HK, HV=HV, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=BV, WRITE=write, HAS_KEPT=kept is not None,
+            STORE_O=store_o, num_warps=4)
+    return o if store_o else None
 
 
 def gated_delta_rule_positions(q, k, v, g, beta, states, slots, kept=None):
     """T positions of N sequences in one call (speculative verification and its replay): q, k [N, T, Hk, Dk],
     v [N, T, Hv, Dv], g, beta [N, T, Hv]; sequence n starts from states[slots[n]] -> o [N, T, Hv, Dv]. kept [N]
     (or None: no state is written): states[slots[n]] becomes the state after position kept[n] (outputs past
-    it are not meaningful). The decode kernel's arithmetic step by step, so outputs and kept states are bitwise
-    those of one-token calls; each state is read once and written at most once (T calls read and write every
-    slot T times). CUDA-graph capturable."""
-    if q.is_cuda:
-        return gated_delta_rule_positions_fla(q, k, v, g, beta, states, slots, kept)
-    return gated_delta_rule_positions_ref(q, k, v, g, beta, states, slots, kept)
+    it are not meaningful). Outputs and kept states are bitwise those of one-token decode calls."""
+    N, T = g.shape[:2]
+    rows0 = torch.arange(N, device=q.device) * T
+    o = gated_delta_rule_rows(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1),
+                              states, slots, rows0, T, kept, write=kept is not None)
+    return o.view(v.shape)
 
 
 def gated_delta_rule_varlen(q, k, v, g, beta, states, state_slots, cu_seqlens):
@@ -145,8 +205,9 @@ def gated_delta_rule_varlen(q, k, v, g, beta, states, state_slots, cu_seqlens):
 
 
 def gated_delta_rule_decode(q, k, v, g, beta, states, state_slots):
-    """One token per sequence: q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv] -> o [N, Hv, Dv].
-    States updated in place. CUDA-graph capturable; states must be contiguous."""
+    """One token per sequence: q, k [N, Hk, Dk], v [N, Hv, Dv] (strided rows fine), g, beta [N, Hv] ->
+    o [N, Hv, Dv]. States updated in place. CUDA-graph capturable; states must be contiguous."""
     if q.is_cuda:
-        return gated_delta_rule_decode_fla(q, k, v, g, beta, states, state_slots)
+        rows0 = torch.arange(q.shape[0], device=q.device)
+        return gated_delta_rule_rows(q, k, v, g, beta, states, state_slots, rows0, 1, write=True)
     return gated_delta_rule_decode_ref(q, k, v, g, beta, states, state_slots)

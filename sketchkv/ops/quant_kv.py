@@ -28,8 +28,20 @@ is what both the reference and the kernel multiply by; q * s is exact in fp32):
 |x / s - (n + 1/2)| < 2^-23 * 8, adding at most ~2^-20 * s: the tests allow a 1e-6 relative slack.)
 Scales are clamped to [2^-24, 65504] (fp16 range): all-zero groups round-trip to 0; inputs beyond
 7 * 65504 (int4) / 127 * 65504 (int8) saturate, and such K/V do not occur in practice.
+
+On CUDA (and under TRITON_INTERPRET=1) int4 records are packed by one kernel (`pack_kv_int4_triton`, the
+same bytes as the reference: IEEE division, round half to even); unfused, packing a decode step's rows took
+~30 small kernels per full-attention layer.
 """
+import os
+
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 
 FORMATS = ("int4", "int8", "bf16")
 _FP16_MIN, _FP16_MAX = 2.0 ** -24, 65504.0
@@ -106,8 +118,62 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _round_half_even(y):
+        r = tl.floor(y)
+        f = y - r                                   # exact for |y| < 2^23
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
+
+    @triton.jit
+    def _int4_groups(x_ptr, codes_ptr, scales_ptr, NG: tl.constexpr, G: tl.constexpr):
+        # one vector [NG * G] -> codes (D / 2 bytes) and NG fp16 scales, as quantize_int4
+        x = tl.load(x_ptr + tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]).to(tl.float32)
+        s = tl.minimum(tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), 7.0), 5.960464477539063e-08), 65504.0)
+        s = s.to(tl.float16)
+        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x, s.to(tl.float32)[:, None])), -7.0), 7.0)
+        lo, hi = tl.split(tl.reshape(q.to(tl.int32) + 8, (NG * G // 2, 2)))
+        tl.store(codes_ptr + tl.arange(0, NG * G // 2), (lo | (hi << 4)).to(tl.uint8))
+        tl.store(scales_ptr + tl.arange(0, NG), s)
+
+    @triton.jit
+    def _pack_int4_kernel(k_ptr, v_ptr, rec_ptr, rec16_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                          HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr):
+        # program (token t, KV head h): its head record [K codes][V codes][K scales][V scales]
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        NG: tl.constexpr = D // G
+        rec = rec_ptr + (t * HKV + h) * RB
+        rec16 = rec16_ptr + (t * HKV + h) * (RB // 2) + D // 2
+        _int4_groups(k_ptr + t * stride_kt + h * stride_kh, rec, rec16, NG, G)
+        _int4_groups(v_ptr + t * stride_vt + h * stride_vh, rec + D // 2, rec16 + NG, NG, G)
+
+
+def pack_kv_int4_triton(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """pack_kv(k, v, "int4") in one kernel: k, v [T, Hkv, D] (head dims contiguous) -> uint8 [T, Hkv, RB]."""
+    T, Hkv, D = k.shape
+    G, RB = group_size(D), head_record_bytes("int4", D)
+    assert k.stride(2) == v.stride(2) == 1 and G & (G - 1) == 0 and D // G & (D // G - 1) == 0
+    alloc = torch.zeros if RB != D + 4 * (D // G) else torch.empty      # padding bytes stay 0
+    rec = alloc(T, Hkv, RB, dtype=torch.uint8, device=k.device)
+    if T:
+        _pack_int4_kernel[(T, Hkv)](k, v, rec, rec.view(torch.float16), k.stride(0), k.stride(1), v.stride(0),
+                                    v.stride(1), HKV=Hkv, D=D, G=G, RB=RB, num_warps=2)
+    return rec
+
+
 def pack_kv(k: torch.Tensor, v: torch.Tensor, fmt: str) -> torch.Tensor:
     """k, v [..., Hkv, D] -> head records uint8 [..., Hkv, head_record_bytes] on k's device."""
+    if fmt == "int4" and triton is not None and k.dim() == 3 and k.stride(2) == v.stride(2) == 1 and (
+            k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return pack_kv_int4_triton(k, v)
+    return pack_kv_ref(k, v, fmt)
+
+
+def pack_kv_ref(k: torch.Tensor, v: torch.Tensor, fmt: str) -> torch.Tensor:
+    """pack_kv in torch (the reference)."""
     D = k.shape[-1]
     if fmt == "int4":
         kq, ks = quantize_int4(k)

@@ -4,6 +4,10 @@ Three variants, each rounding exactly where transformers' implementation rounds:
   zero-centred (Qwen3-Next/3.5):  (norm(x) * (1 + w)).to(dtype)            -- one rounding
   plain (Llama/Qwen3):            w * norm(x).to(dtype)                     -- norm rounded, then product
   gated (Gated DeltaNet output):  (w * norm(x).to(dtype)) * silu(gate)      -- plus the gate, in fp32
+With `residual` (zero-centred and plain), the decoder layer's residual add goes in the same kernel, as
+vLLM's fused_add_rms_norm: s = (x + residual).to(dtype), then the norm of s; returns (norm, s). The sum is
+rounded to the model dtype before the norm reads it, exactly as `x = x + h; norm(x)` (128 fewer kernels
+per 27B decode step).
 """
 import os
 
@@ -19,7 +23,10 @@ except ImportError:
 ZERO_CENTERED, PLAIN, GATED = 0, 1, 2
 
 
-def rms_norm_ref(x, weight, eps: float, kind: int, gate=None):
+def rms_norm_ref(x, weight, eps: float, kind: int, gate=None, residual=None):
+    if residual is not None:
+        s = x + residual
+        return rms_norm_ref(s, weight, eps, kind, gate), s
     dtype = x.dtype
     n = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     if kind == ZERO_CENTERED:
@@ -33,15 +40,19 @@ def rms_norm_ref(x, weight, eps: float, kind: int, gate=None):
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, N, eps, stride_x, stride_g, stride_o,
-                         KIND: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, r_ptr, s_ptr, N, eps, stride_x, stride_g, stride_o,
+                         stride_r, stride_s, KIND: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
+        odt = out_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if RESIDUAL:  # s = x + residual rounded to the model dtype (as torch's add), stored, then normed
+            x = (x + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(odt)
+            tl.store(s_ptr + row * stride_s + offs, x, mask=mask)
+            x = x.to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         n = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-        odt = out_ptr.dtype.element_ty
         if KIND == 0:
             y = n * (1.0 + w)
         else:
@@ -52,19 +63,24 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + offs, y.to(odt), mask=mask)
 
 
-def rms_norm(x, weight, eps: float, kind: int, gate=None):
-    """Normalise over the last dim. Triton on CUDA or under TRITON_INTERPRET=1, reference otherwise."""
+def _rows(t, N):
+    t = t.reshape(-1, N)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rms_norm(x, weight, eps: float, kind: int, gate=None, residual=None):
+    """Normalise over the last dim (-> out; with residual: (out, x + residual)). Triton on CUDA or under
+    TRITON_INTERPRET=1, reference otherwise."""
     if triton is None or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return rms_norm_ref(x, weight, eps, kind, gate)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    g2 = gate.reshape(-1, shape[-1]) if gate is not None else x2
-    if g2.stride(-1) != 1:
-        g2 = g2.contiguous()
+        return rms_norm_ref(x, weight, eps, kind, gate, residual)
+    assert residual is None or kind != GATED
+    shape, N = x.shape, x.shape[-1]
+    x2 = _rows(x, N)
+    g2 = _rows(gate, N) if gate is not None else x2
+    r2 = _rows(residual, N) if residual is not None else x2
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    N = shape[-1]
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, g2, out, N, eps, x2.stride(0), g2.stride(0), out.stride(0),
-                                     KIND=kind, BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8)
-    return out.view(shape)
+    s = torch.empty_like(out) if residual is not None else out
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, g2, out, r2, s, N, eps, x2.stride(0), g2.stride(0), out.stride(0),
+                                     r2.stride(0), s.stride(0), KIND=kind, RESIDUAL=residual is not None,
+                                     BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8)
+    return out.view(shape) if residual is None else (out.view(shape), s.view(shape))

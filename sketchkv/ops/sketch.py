@@ -38,6 +38,58 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return v * scale.float()[..., None]
 
 
+def sketch_keys_ref(k: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """New keys k [T, Hkv, D] -> their sketches: (k - mean) projected on the basis [Hkv, D, r], int4."""
+    return quantize_int4(torch.einsum("thd,hdr->thr", k.float() - mean, basis))
+
+
+def sketch_write(k, mean, basis, sketch, scale, slots) -> None:
+    """Sketch the new keys k [T, Hkv, D] into the paged sketch [.., Hkv, r/2] / scale [.., Hkv] at the cache
+    slots [T] (the KV cache's slot mapping). Decode-size batches (T <= 256) on CUDA: one kernel (projection in
+    fp32, the same int4 rounding), otherwise torch (a prefill chunk: a matmul)."""
+    Hkv, r = basis.shape[0], basis.shape[-1]
+    T, _, D = k.shape
+    DC = min(64, D)
+    if (triton is not None and T <= 256 and (k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+            and k.stride(2) == 1 and D % DC == 0 and DC & (DC - 1) == 0 and r & (r - 1) == 0
+            and basis.is_contiguous() and mean.is_contiguous() and basis.dtype == mean.dtype == torch.float32):
+        if T:
+            _sketch_write_kernel[(T, Hkv)](k, mean, basis, sketch, scale, slots, k.stride(0), k.stride(1),
+                                           HKV=Hkv, D=D, R=r, DC=DC, num_warps=2)
+        return
+    packed, sc = sketch_keys_ref(k, mean, basis)
+    sketch.view(-1, Hkv, r // 2).index_copy_(0, slots, packed)
+    scale.view(-1, Hkv).index_copy_(0, slots, sc)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sketch_write_kernel(k_ptr, mean_ptr, basis_ptr, sk_ptr, sc_ptr, slots_ptr, stride_kt, stride_kh,
+                             HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, DC: tl.constexpr):
+        # program (token t, KV head h): p = (k - mean) @ basis[h] (fp32, DC dims at a time), then int4 as
+        # quantize_int4: scale = max|p| / 7 (fp32, stored fp16), codes round(p / scale) (half to even)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        r = tl.arange(0, R)
+        acc = tl.zeros([R], tl.float32)
+        for d0 in tl.static_range(0, D, DC):
+            d = d0 + tl.arange(0, DC)
+            x = tl.load(k_ptr + t * stride_kt + h * stride_kh + d).to(tl.float32) - tl.load(mean_ptr + h * D + d)
+            b = tl.load(basis_ptr + (h * D + d[:, None]) * R + r[None, :])
+            acc += tl.sum(x[:, None] * b, 0)
+        s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(acc), 0), 1e-8), 7.0)
+        y = tl.math.div_rn(acc, s)
+        fl = tl.floor(y)
+        f = y - fl
+        odd = (fl - 2.0 * tl.floor(fl * 0.5)) != 0.0
+        q = tl.minimum(tl.maximum(tl.where((f > 0.5) | ((f == 0.5) & odd), fl + 1.0, fl), -7.0), 7.0)
+        lo, hi = tl.split(tl.reshape(q.to(tl.int32) + 8, (R // 2, 2)))
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        tl.store(sk_ptr + (slot * HKV + h) * (R // 2) + tl.arange(0, R // 2), (lo | (hi << 4)).to(tl.uint8))
+        tl.store(sc_ptr + slot * HKV + h, s.to(tl.float16))
+
+
 COMBINES = ("sum", "max", "softmax")
 KERNELS = ("auto", "fma", "dot")   # sketch_score(kernel=...)
 
