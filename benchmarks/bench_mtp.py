@@ -31,7 +31,19 @@ from sketchkv import LLM, SamplingParams  # noqa: E402
 from sketchkv.eval.common import FILE_HEADER, load_documents  # noqa: E402
 
 
-def build_prompts(llm: LLM, docs, style: str, count: int, context: int, seed: int) -> list[list[int]]:
+def filler_ids(tok, docs, skip, need: int, rng) -> list[int]:
+    """About `need` tokens of other held-out files, each under its `# file:` header (--fill-context)."""
+    others = [d for d in docs if d is not skip] or [skip]
+    rng.shuffle(others)
+    ids, i = [], 0
+    while len(ids) < need:
+        d = others[i % len(others)]
+        ids += tok.encode(FILE_HEADER.format(rel=d.rel) + d.text + "\n")
+        i += 1
+    return ids[:need]
+
+
+def build_prompts(llm: LLM, docs, style: str, count: int, context: int, seed: int, fill: bool = False) -> list[list[int]]:
     tok, rng = llm.tokenizer, random.Random(seed)
     docs = [d for d in docs if len(d.text) > 400]
     rng.shuffle(docs)
@@ -42,10 +54,15 @@ def build_prompts(llm: LLM, docs, style: str, count: int, context: int, seed: in
         text = d.text[:context * 3]  # ~3 characters per token for code; trimmed in tokens below
         if style == "copy":
             head = "\n".join(text.splitlines()[:3])
-            ids = tok.encode(FILE_HEADER.format(rel=d.rel) + text)[:context - 64] + tok.encode(
-                "\n" + FILE_HEADER.format(rel=d.rel) + head)
+            ids = tok.encode(FILE_HEADER.format(rel=d.rel) + text)[:context - 64]
+            tail = tok.encode("\n" + FILE_HEADER.format(rel=d.rel) + head)
+            if fill:  # the file first, then other files: the text to copy lies ~context tokens back
+                ids += filler_ids(tok, docs, d, context - len(ids) - len(tail), rng)
+            ids += tail
         elif tok.chat_template:
             body = tok.decode(tok.encode(text)[:context - 64])
+            if fill:  # other files before the one to explain
+                body = tok.decode(filler_ids(tok, docs, d, context - 96 - len(tok.encode(body)), rng)) + body
             ids = tok.apply_chat_template([{"role": "user", "content": f"Explain what this code does:\n\n{body}"}],
                                           add_generation_prompt=True)
             ids = tok.encode(ids) if isinstance(ids, str) else ids
@@ -134,7 +151,11 @@ def main():
     ap.add_argument("--n", type=int, nargs="+", default=[1, 3, 7])
     ap.add_argument("--styles", nargs="+", default=["copy", "explain"])
     ap.add_argument("--prompts", type=int, default=8, help="prompts per style (generated as one batch)")
-    ap.add_argument("--context", type=int, default=2048, help="prompt tokens (about)")
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens (about; at most one file's unless --fill-context)")
+    ap.add_argument("--fill-context", action="store_true",
+                    help="pad every prompt to --context tokens with other held-out files: copy puts the file first and its "
+                         "repeat after the filler (the text to copy is ~context tokens back, what a windowed drafter "
+                         "cannot see), explain puts the filler before the file")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per n after the warm-up (the median is reported)")
@@ -158,7 +179,7 @@ def main():
         docs, source = load_documents([os.path.dirname(sketchkv.__file__)], model)
     results = {"model": model, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
                "command": " ".join(sys.argv), "docs": source, "options": opts, "max_tokens": a.max_tokens,
-               "context": a.context, "styles": {}}
+               "context": a.context, "fill_context": a.fill_context, "styles": {}}
     for style in a.styles:
         rows = {}
         base = None
@@ -166,7 +187,7 @@ def main():
             # no prefix caching: the warm-up and every timed run do the same work (prefill included)
             llm = LLM(model, num_speculative_tokens=n, max_num_seqs=max(a.prompts, 1), enable_prefix_caching=False,
                       **opts)
-            prompts = build_prompts(llm, docs, style, a.prompts, a.context, a.seed)
+            prompts = build_prompts(llm, docs, style, a.prompts, a.context, a.seed, a.fill_context)
             if n and llm.engine.runner.spec is not None:
                 mem = llm.engine.runner.spec.bytes_per_seq(a.context + a.max_tokens)
             else:
@@ -191,6 +212,7 @@ def main():
             r["agree_prefix_frac"] = sum(next((i for i, (x, y) in enumerate(zip(t, b)) if x != y), len(t)) / max(len(t), 1)
                                          for t, b in zip(toks, base)) / max(len(toks), 1)
             r["spec_bytes_per_agent"] = mem
+            r["prompt_tokens_mean"] = sum(map(len, prompts)) / max(len(prompts), 1)
             if a.profile:
                 os.makedirs(a.profile, exist_ok=True)
                 r["profile"] = profile_steps(llm, prompts, 6 * (n + 1), os.path.join(a.profile, f"profile-{style}-n{n}.txt"))
