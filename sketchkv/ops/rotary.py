@@ -30,14 +30,23 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: 
 if triton is not None:
 
     @triton.jit
+    def _round(x, dt: tl.constexpr):
+        """fp32 x rounded to dt (nearest, ties to even), kept in fp32. For bf16 by integer arithmetic: the
+        compiler folds a cast to bf16 and back, which left 1-ulp differences from torch (H200 run 39)."""
+        if dt == tl.bfloat16:
+            u = x.to(tl.uint32, bitcast=True)
+            return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return x.to(dt).to(tl.float32)
+
+    @triton.jit
     def _rotate_row(x_ptr, o_ptr, c, s, j, partner, turn, in_row, RD: tl.constexpr):
         x = tl.load(x_ptr + j, mask=in_row, other=0.0)
-        dt = x.dtype
+        dt: tl.constexpr = x.dtype
         p = tl.load(x_ptr + partner, mask=turn, other=0.0).to(tl.float32)
         p = tl.where(j < RD // 2, -p, p)                                     # cat(-x2, x1), exact
-        a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
-        b = (p * s).to(dt).to(tl.float32)
-        tl.store(o_ptr + j, tl.where(turn, (a + b).to(dt), x), mask=in_row)
+        a = _round(x.to(tl.float32) * c, dt)
+        b = _round(p * s, dt)
+        tl.store(o_ptr + j, tl.where(turn, _round(a + b, dt).to(dt), x), mask=in_row)   # exact: already rounded
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -50,9 +59,9 @@ if triton is not None:
         in_row = j < D
         turn = j < RD
         partner = tl.where(j < RD // 2, j + RD // 2, j - RD // 2)
-        dt = qo_ptr.dtype.element_ty
-        c = tl.load(cos_ptr + t * stride_c + j, mask=turn, other=0.0).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + t * stride_c + j, mask=turn, other=0.0).to(dt).to(tl.float32)
+        dt: tl.constexpr = qo_ptr.dtype.element_ty
+        c = _round(tl.load(cos_ptr + t * stride_c + j, mask=turn, other=0.0), dt)
+        s = _round(tl.load(sin_ptr + t * stride_c + j, mask=turn, other=0.0), dt)
         if h < HQ:
             _rotate_row(q_ptr + t * stride_qt + h * stride_qh, qo_ptr + (t * HQ + h) * D, c, s, j, partner, turn,
                         in_row, RD)
