@@ -140,9 +140,9 @@ class GatedDeltaNet(nn.Module):
         sequence's first row in the step; positions: max(accepted) + 1 (or more). Fixed shapes: positions past
         a sequence's last kept one leave its state alone. The verification's two kernels run again over the kept
         inputs, up to each sequence's kept position, and write each slot once (the conv state: its last W
-        inputs; the recurrent state after the kept position, bitwise the one verification computed). snapshots {t: [slots]}: keep copies
-        of those slots' states after position t (prefix-cache snapshots inside the verified run) in
-        `self.snapshots`: the step-by-step replay."""
+        inputs; the recurrent state after the kept position, bitwise the one verification computed).
+        snapshots {t: [slots]}: keep copies of those slots' states after position t (prefix-cache snapshots
+        inside the verified run) in `self.snapshots`: the step-by-step replay."""
         x, y, g, beta = (self.verify_x, self.verify_y, self.verify_g, self.verify_beta) \
             if total_rows <= self.verify_x.shape[0] else self._kept
         self._kept = None
@@ -157,8 +157,8 @@ class GatedDeltaNet(nn.Module):
     def _qkv_heads(self, y):
         """Post-conv rows [R, conv_dim] -> q, k [R, Hk, Dk], v [R, Hv, Dv] (views)."""
         q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)), k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
-                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
+        heads = (self.num_k_heads, self.head_k_dim)
+        return q.unflatten(-1, heads), k.unflatten(-1, heads), v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
 
     def _replay_stepwise(self, x, g, beta, rows0, slots, accepted, positions, scratch_slot, snapshots) -> None:
         w = self.conv1d.weight.squeeze(1)
