@@ -231,6 +231,12 @@ def test_interp_gather_kernel_vs_ref(fmt, Hkv, D, per_head):
     host_gather(store.rows(0), slots, *out, fmt, drows)
     host_gather(store.rows(0), slots, *srt, fmt, drows, sort=True)
     assert torch.equal(out[0], srt[0]) and torch.equal(out[1], srt[1])
+    if slots.dim() == 1:   # sorted within each half (the tier: one segment per sequence)
+        s, d = slots[:36], drows[:36]
+        one, seg = [torch.zeros(M, Hkv, D) for _ in range(2)], [torch.zeros(M, Hkv, D) for _ in range(2)]
+        host_gather(store.rows(0), s, *one, fmt, d)
+        host_gather(store.rows(0), s, *seg, fmt, d, sort=True, segments=2)
+        assert torch.equal(one[0], seg[0]) and torch.equal(one[1], seg[1])
 
 
 @needs_interp
@@ -630,7 +636,7 @@ def test_gpu_step_has_no_host_sync_and_matches_cpu():
                     sv = torch.zeros_like(sk)
                     rec = torch.zeros(2 * 48, store.row_bytes, device=dev, dtype=torch.uint8)
                     if dev == "cuda":
-                        store.gather(layer, miss.flatten(), sk, sv, sort=True, raw=rec)
+                        store.gather(layer, miss.flatten(), sk, sv, sort=True, segments=2, raw=rec)   # as HostTier
                         store.write(layer, five, k[5:6], k[5:6])  # same bytes: the CPU side reads them too
                     else:
                         host_gather_ref(store.rows(layer), miss.flatten().cpu(), sk, sv, "int4", raw=rec)

@@ -23,7 +23,7 @@ from sketchkv.ops.causal_conv1d import (causal_conv1d_decode, causal_conv1d_deco
                                         causal_conv1d_rows_ref, causal_conv1d_varlen, causal_conv1d_varlen_fla,
                                         causal_conv1d_varlen_ref, conv_state_shape)
 from sketchkv.ops.gated_delta_rule import (gated_delta_rule_decode, gated_delta_rule_decode_ref,
-                                           gated_delta_rule_positions, gated_delta_rule_rows,
+                                           gated_delta_rule_rows,
                                            gated_delta_rule_rows_ref, gated_delta_rule_varlen,
                                            gated_delta_rule_varlen_ref)
 
@@ -227,6 +227,16 @@ def test_conv_short_sequences_keep_old_state():
     causal_conv1d_varlen_ref(x, w, b, states, torch.tensor([4, 1]), cu_of([1, 2]))
     assert torch.equal(states[4], torch.cat([before[4][:, 1:], x[0:1].T], -1))
     assert torch.equal(states[1], torch.cat([before[1][:, 2:], x[1:3].T], -1))
+
+
+def gated_delta_rule_positions(q, k, v, g, beta, states, slots, kept=None):
+    """gated_delta_rule_rows over [N, T, ...] inputs (sequence n's positions are rows n * T + t): the layout of
+    a verification step; kept None = verification (no state written), else the replay up to kept[n]."""
+    N, T = g.shape[:2]
+    rows0 = torch.arange(N, device=q.device) * T
+    o = gated_delta_rule_rows(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1),
+                              states, slots, rows0, T, kept, write=kept is not None)
+    return o.view(v.shape)
 
 
 def positions_case(N, T, Hk, Hv, Dk, Dv, dtype=torch.float32, device="cpu", num_slots=S, seed=0):

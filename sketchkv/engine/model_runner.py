@@ -654,8 +654,8 @@ class ModelRunner:
 
     def _capture_replay_graphs(self, sizes, contexts, pool):
         # The commit's GDN replay (GatedDeltaNet.replay_verified) after a graph verification step: its inputs
-        # are in the layers' static buffers; all 1 + n positions (past a sequence's kept one: identity steps),
-        # one graph per bucket: ~10 small launches per GDN layer, which eagerly were launch gaps (H200 run 31).
+        # are in the layers' static buffers; each sequence up to its kept position, one graph per bucket (eagerly
+        # the replay's launches were mostly gaps, H200 run 31).
         Q, dev = self.num_spec + 1, self.device
         self.c_rows0 = torch.zeros(max(sizes), dtype=torch.int64, device=dev)
         self.c_slots = torch.full((max(sizes),), self.scratch_slot, dtype=torch.int64, device=dev)

@@ -14,9 +14,9 @@ One engine step with speculation on (`num_speculative_tokens` = n > 0):
    keep the step's inputs (`GatedDeltaNet.forward_verify`). `rejection_sampler.verify` keeps a prefix of
    the drafts and adds one token.
 3. commit: each sequence's GDN state advances through its kept rows again, from its slot and the
-   kept inputs (`GatedDeltaNet.replay_verified`: the decode kernel's arithmetic in one call, the conv state
-   gathered from the kept inputs, so bitwise the state the verification computed, and no per-position
-   states in memory); the scheduler counts only accepted
+   kept inputs (`GatedDeltaNet.replay_verified`: the verification's conv and recurrence kernels again, up to
+   each kept position, so bitwise the state the verification computed, and no per-position states in
+   memory); the scheduler counts only accepted
    rows as cached and frees the blocks that only rejected rows used. KV rows of rejected positions
    stay in kept blocks and are overwritten later (attention never reads past a sequence's length).
 4. catch up: the MTP layer runs over the step's accepted rows (prompt chunks too), on the target's

@@ -212,12 +212,7 @@ class HostTier:
                                        dump_row=self.dump_row, Np=Np)
         kf, vf = k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D)
         rec = torch.empty(B * Np, self.store.row_bytes, dtype=torch.uint8, device=k.device)
-        # misses in host-address order per sequence (a sequence's rows live in its own blocks, so this has the
-        # locality of a global sort): one sort kernel for the batch (rows of <= 4096 keys sort inside one
-        # block), where sorting the flattened batch took 8 radix passes (58 us per layer at 8 x 250K, run 35)
-        keys, perm = torch.sort(miss.to(torch.int32) if self.store.num_slots < 2**31 else miss, dim=-1)
-        dst = (perm + torch.arange(B, device=k.device)[:, None] * Np).flatten()
-        self.store.gather(layer, keys.flatten(), kf, vf, dst, raw=rec)
+        self.store.gather(layer, miss.flatten(), kf, vf, sort=True, segments=B, raw=rec)   # address order per sequence
         host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
         return k, v, miss, rec.view(B, Np, -1)
 

@@ -169,15 +169,12 @@ class HotBuffer:
                 merged.append((s, n))
         self._free_ranges = merged
 
-    def invalidate(self, keys: torch.Tensor, layer: int | None = None) -> None:
-        """Host slots whose content changes (a block reused for new tokens): forget their hot rows.
-        (The rows stay as orphans until evicted; lookups no longer return them.)"""
+    def invalidate(self, keys: torch.Tensor) -> None:
+        """Host slots whose content changes (a block reused for new tokens): forget their hot rows, in every
+        layer. (The rows stay as orphans until evicted; lookups no longer return them.)"""
         keys = keys.to(self.device).long().flatten()
         keys = torch.where(keys >= 0, keys, self.dump_key)
-        if layer is None:
-            self.map.index_fill_(1, keys, -1)
-        else:
-            self.map[layer].index_fill_(0, keys, -1)
+        self.map.index_fill_(1, keys, -1)
         self.map.narrow(1, self.dump_key, 1).fill_(-1)
 
     # ---- one decode step ---------------------------------------------------------------------------

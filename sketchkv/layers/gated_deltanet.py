@@ -86,8 +86,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, self.value_dim))
 
     def forward_verify(self, qkv, z, g, beta, w, ctx) -> torch.Tensor:
-        """A step with draft tokens. Decoding sequences advance through their positions (the decode kernels'
-        arithmetic, as plain decoding) without touching their slots, which keep the state from before the
+        """A step with draft tokens. Decoding sequences advance through their positions (the decode kernels,
+        as plain decoding) without touching their slots, which keep the state from before the
         step; the step's inputs (pre- and post-conv rows, gates) are kept, and `replay_verified` then advances
         each sequence's slot through its accepted positions from them: the same arithmetic on the same inputs,
         so the state is bitwise the one the verification computed, and no per-position states are stored

@@ -171,15 +171,6 @@ def causal_conv1d_varlen(x, weight, bias, states, state_slots, cu_seqlens):
     return causal_conv1d_varlen_ref(x, weight, bias, states, state_slots, cu_seqlens)
 
 
-def causal_conv1d_decode_rows(x, weight, bias, cache):
-    """causal_conv1d_decode with the states in batch order: x [N, D] (rows may be strided), cache [N, D, W]
-    updated in place (no gather / scatter through slots)."""
-    if x.is_cuda:
-        from fla.modules.causal_conv1d import causal_conv1d_update
-        return causal_conv1d_update(x, cache, weight=weight, bias=bias, activation="silu")[0]
-    return causal_conv1d_decode_ref(x, weight, bias, cache, torch.arange(x.shape[0], device=x.device))
-
-
 def causal_conv1d_decode(x, weight, bias, states, state_slots):
     """x [N, D] (rows may be strided), one token per sequence -> [N, D]; each slot's state advanced in place.
     CUDA-graph capturable."""

@@ -184,18 +184,6 @@ def gated_delta_rule_rows(q, k, v, g, beta, states, slots, rows0, T: int, kept=N
     return o if store_o else None
 
 
-def gated_delta_rule_positions(q, k, v, g, beta, states, slots, kept=None):
-    """T positions of N sequences in one call (speculative verification and its replay): q, k [N, T, Hk, Dk],
-    v [N, T, Hv, Dv], g, beta [N, T, Hv]; sequence n starts from states[slots[n]] -> o [N, T, Hv, Dv]. kept [N]
-    (or None: no state is written): states[slots[n]] becomes the state after position kept[n] (outputs past
-    it are not meaningful). Outputs and kept states are bitwise those of one-token decode calls."""
-    N, T = g.shape[:2]
-    rows0 = torch.arange(N, device=q.device) * T
-    o = gated_delta_rule_rows(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1),
-                              states, slots, rows0, T, kept, write=kept is not None)
-    return o.view(v.shape)
-
-
 def gated_delta_rule_varlen(q, k, v, g, beta, states, state_slots, cu_seqlens):
     """q, k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv] fp32 log-decay (<= 0), beta [T, Hv] (post-sigmoid),
     states [S, Hv, Dk, Dv] fp32, state_slots [N] int64, cu_seqlens [N+1] int32 -> o [T, Hv, Dv] in v.dtype.
