@@ -43,6 +43,21 @@ def graphed(fn):
     return g.replay
 
 
+def kernel_times(fn, calls: int = 20) -> dict:
+    """GPU time per call of each kernel fn launches (torch.profiler), to split a softmax scoring into its passes."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0:
+            out[e.key[:48]] = e.self_device_time_total / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
@@ -75,10 +90,13 @@ def main():
     def dot2(*args, **kw):
         return sketch_score_dot(*args, **kw, two_pass=True)
 
-    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot2": dot2}
+    def dot8(*args, **kw):
+        return sketch_score_dot(*args, **kw, q_int8=True)
+
+    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot8": dot8, "dot2": dot2}
+    dot_tiles = [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)] if a.quick else [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (1, 8)]
     tiles = {"fma": [(1, 2)] if a.quick else [(1, 2), (1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)],
-             "dot": [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)] if a.quick else [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (1, 8)],
-             "dot2": [(2, 4)]}
+             "dot": dot_tiles, "dot8": dot_tiles + [(1, 2), (2, 2)], "dot2": [(2, 4)]}
     rows = []
     for name, (q, combine) in cases.items():
         ref = refs[name]
@@ -106,7 +124,7 @@ def main():
     # In the engine these run inside CUDA graphs: the same calls replayed from graphs (launch gaps without the
     # eager host overhead of the small torch ops between kernels).
     best = {}
-    for kname in ("dot", "dot2"):
+    for kname in ("dot", "dot8", "dot2"):
         ok = [x for x in rows if x["case"] == "softmax" and x["kernel"] == kname and "us" in x]
         if ok:
             bpp, nw = min(ok, key=lambda x: x["us"])["bpp"], min(ok, key=lambda x: x["us"])["warps"]
@@ -114,6 +132,8 @@ def main():
                                                                   True, "softmax", sm, bpp=bpp, num_warps=nw))
             best[kname] = dict(bpp=bpp, warps=nw, graph_us=bench(graphed(call)) * 1e6)
             print(f"softmax {kname} bpp {bpp} warps {nw} in a CUDA graph: {best[kname]['graph_us']:.1f} us")
+            best[kname]["kernels_us"] = kernel_times(call)
+            print("   per kernel (us per call): " + ", ".join(f"{n} {u:.1f}" for n, u in best[kname]["kernels_us"].items()))
 
     # top-k threshold over one layer's scores (the engine's shared selection: one row per sequence)
     scores = sketch_score_dot(q_heads, sk, sc, tables, lens, sinks, recent, max_len, True, "softmax", sm)[:, 0]
