@@ -153,27 +153,20 @@ def _abs_sketch(packed):
     return (lo | (hi << 4)).to(torch.uint8)
 
 
-def dot_error_bound(q, packed, scale, geo, shared, combine, sm, q_in_fp16: bool, q_int8: bool = False):
+def dot_error_bound(q, packed, scale, geo, shared, combine, sm, q_in_fp16: bool):
     """How far the tensor-core scores may lie from the fp32 reference. Rounding q to fp16 moves each element
     by <= 2^-11 relative, so a score by <= 2^-11 * sum_r |k_r q_r| (summed over the combined heads: bounds
-    sum and max); int8 q (q_int8) moves each element by <= max|q_g| / 254 (half a step of its head's scale),
-    a score by <= that * sum_r |k_r|. A softmax log-mass moves by <= 2 * sm_scale * the largest score move
-    (lse moves by at most that, too). softmax also stores each head's score in fp16 (log2 units,
-    |y| <= sm * log2(e) * the largest |score|): <= 2^-11 |y| per head, its log-sum-exp total moves by at most
-    as much, and the log-sum-exp over the heads is 1-Lipschitz, so <= 2 * 2^-11 * sm * the largest |score| on
-    the result (in nats)."""
-    if q_int8:
-        qerr = (q.abs().amax(-1, keepdim=True) / 254).expand_as(q).contiguous()
-    else:
-        qerr = torch.zeros_like(q) if q_in_fp16 else 2.0 ** -11 * q.abs()
-    move = sketch_score_ref(qerr, _abs_sketch(packed), scale, *geo, shared, "sum")
+    sum and max), and a softmax log-mass by <= 2 * sm_scale * the largest score move (lse moves by at most
+    that, too). softmax also stores each head's score in fp16 (log2 units, |y| <= sm * log2(e) * the largest
+    |score|): <= 2^-11 |y| per head, its log-sum-exp total moves by at most as much, and the log-sum-exp over the
+    heads is 1-Lipschitz, so <= 2 * 2^-11 * sm * the largest |score| on the result (in nats)."""
+    mag = sketch_score_ref(q.abs(), _abs_sketch(packed), scale, *geo, shared, "sum")
     if combine != "softmax":
-        return move
+        return torch.zeros_like(mag) if q_in_fp16 else 2.0 ** -11 * mag
     all_heads = sketch_score_ref(q.abs(), _abs_sketch(packed), scale, *geo, True, "sum")
-    row_max = all_heads.nan_to_num(neginf=0.0).amax((1, 2), keepdim=True).expand_as(move)
-    all_moves = sketch_score_ref(qerr, _abs_sketch(packed), scale, *geo, True, "sum")
-    move_max = all_moves.nan_to_num(neginf=0.0).amax((1, 2), keepdim=True).expand_as(move)
-    return 2.0 ** -11 * 2 * sm * row_max + 2 * sm * move_max
+    row_max = all_heads.nan_to_num(neginf=0.0).amax((1, 2), keepdim=True).expand_as(mag)
+    stored = 2 * sm * row_max
+    return 2.0 ** -11 * (stored if q_in_fp16 else stored + 2 * sm * row_max)
 
 
 @needs_interp
@@ -190,21 +183,22 @@ def test_interp_sketch_score_dot_kernel_matches_reference(shared, combine):
             q = torch.randn(3, 4, G, r) * 3
             q = q[:, :, 0] if G == 1 else q                  # G = 1 also as the [B, Hkv, r] group sum
             geo = (tables, seq_lens, sinks, recent, max_len)
-            for qq, q8 in ((q.half().float(), False), (q, False), (q, True)):
-                if q8 and r < 64:
-                    continue                                 # int8 MMA: K = r/2 >= 32
-                out = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, q_int8=q8)
+            for qq in (q.half().float(), q):
+                out = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm)
                 ref = sketch_score_ref(qq, packed, scale, *geo, shared, combine, sm)
                 assert out.shape == ref.shape and torch.equal(torch.isinf(out), torch.isinf(ref))
                 fin = torch.isfinite(ref)
                 err = (out - ref)[fin].abs()
-                bound = dot_error_bound(_as_heads(qq), packed, scale, geo, shared, combine, sm, qq is not q, q8)
-                assert (err <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all(), (r, G, q8, err.max())
+                bound = dot_error_bound(_as_heads(qq), packed, scale, geo, shared, combine, sm, qq is not q)
+                assert (err <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all(), (r, G, err.max())
                 if combine == "softmax":   # one row per launch (a scratch too small for two): the same scores
-                    one = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, scratch_bytes=1, q_int8=q8)
+                    one = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, scratch_bytes=1)
                     assert torch.equal(one, out)
-                    two = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, two_pass=True, q_int8=q8)
+                    two = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, two_pass=True)
                     assert ((two - ref)[fin].abs() <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all()
+                    # every KV head in one batched dot: the same arithmetic
+                    assert torch.equal(sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm,
+                                                        batched_heads=True), out)
 
 
 def _as_heads(q):

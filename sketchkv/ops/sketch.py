@@ -91,7 +91,7 @@ if triton is not None:
 
 
 COMBINES = ("sum", "max", "softmax")
-KERNELS = ("auto", "fma", "dot", "dot8")   # sketch_score(kernel=...)
+KERNELS = ("auto", "fma", "dot", "dot3")   # sketch_score(kernel=...)
 
 
 def softmax_combine(s: torch.Tensor, num_kv_heads: int, shared: bool, sm_scale: float) -> torch.Tensor:
@@ -188,8 +188,7 @@ if triton is not None:
                              stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
                              stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
                              HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                             G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
-                             QI8: tl.constexpr):
+                             G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
         # One program per (sequence, BPP consecutive KV blocks) = TOK token rows, one KV head at a time:
         # its [TOK, R/2] bytes load as 16-byte vectors and serve all G query heads of that KV head
         # (CUDA-core FMAs). Nibbles become floats without int-to-float conversions (a quarter-rate
@@ -201,7 +200,7 @@ if triton is not None:
         # MODE 0: sum over heads, 1: max, 2: softmax pass 1 (log2-sum-exp2 of this program's rows per
         # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the
         # per-head totals; out = log sum_g exp(s_g * sm_scale - lse_g)). qk_scale = sm_scale * log2(e).
-        # GP, y_ptr, QI8: unused (the dot kernel's padded group, stored head scores, int8 q), one launcher.
+        # GP, y_ptr: unused (the dot kernel's padded group and stored head scores), kept for one launcher.
         b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
                                                        stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
         TOK: tl.constexpr = BPP * BS
@@ -263,8 +262,7 @@ SOFTMAX_SCRATCH_BYTES = 128 << 20   # stored head scores of one launch; larger b
 
 
 def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
-                  sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES,
-                  q_int8: bool = False):
+                  sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES):
     """Shared launcher of the two scoring kernels (same arguments and modes). softmax, two passes over the
     sketch: pass 1 (per-program partial log-sum-exp per query head; torch combines them over programs), then
     pass 2: the sketch scored again. softmax with store_heads (dot kernel): the sketch scored once, every head's
@@ -291,7 +289,7 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
             qp[rows], sketch, scale, block_tables[rows], seq_lens[rows], lse, out[rows], y, sinks, recent, max_len,
             min(nblk, block_tables.shape[1]), qk_scale, qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0),
             scale.stride(0), block_tables.stride(0), stride_lb, stride_lp, out.stride(0), out.stride(1), y.stride(0),
-            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, QI8=q_int8,
+            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared,
             num_warps=num_warps)
 
     if combine != "softmax":
@@ -341,8 +339,7 @@ if triton is not None:
                                  stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
                                  stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
                                  HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                                 G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
-                                 QI8: tl.constexpr):
+                                 G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
         # One program per (sequence, BPP consecutive KV blocks) = TOK token rows. Per KV head h the
         # scores of its G query heads are a [TOK, R] @ [R, G] matmul on tensor cores, split by nibble:
         # lo [TOK, R/2] @ q_even [R/2, GP] + hi @ q_odd, G padded to GP >= 16 with zero query columns.
@@ -363,35 +360,19 @@ if triton is not None:
         run_m = tl.full((TOK,), float("-inf"), tl.float32)                       # MODE 3 SHARED: online lse
         run_l = tl.zeros((TOK,), tl.float32)
         for h in tl.static_range(HKV):
-            packed = tl.load(row_sk[:, None] + h * H2 + k[None, :], mask=valid[:, None], other=0)
-            qe = tl.load(q_even + h * stride_qh, mask=gmask[None, :], other=0.0).to(tl.float32)
-            qo = tl.load(q_even + h * stride_qh + 1, mask=gmask[None, :], other=0.0).to(tl.float32)
-            if QI8:
-                # int8 tensor cores on the nibbles as they are (u = v + 8 in [0, 15]: one AND / one shift per
-                # byte, where the fp16 path below spends ~9 integer ops per byte -- the scoring pass was
-                # ALU-bound, not HBM-bound). q per query head: symmetric int8, scale max|q| / 127, rounded
-                # half up, so a score is off by at most max|q| / 254 * sum_r |k_r| (~0.5% of the largest
-                # possible score; the int4 sketch itself is off by up to 1/14 per dim). sum_r u_r q_r - 8 sum_r q_r
-                # = sum_r v_r q_r exactly in int32 (|.| <= 15 * 127 * R).
-                qmax = tl.maximum(tl.max(tl.abs(qe), 0), tl.max(tl.abs(qo), 0))             # [GP]
-                inv = tl.where(qmax > 0, 127.0 / tl.maximum(qmax, 1e-30), 0.0)
-                qe8 = tl.floor(qe * inv[None, :] + 0.5).to(tl.int8)
-                qo8 = tl.floor(qo * inv[None, :] + 0.5).to(tl.int8)
-                qsum = tl.sum(qe8.to(tl.int32), 0) + tl.sum(qo8.to(tl.int32), 0)
-                si = tl.dot((packed & 15).to(tl.int8), qe8, out_dtype=tl.int32)
-                si = tl.dot((packed >> 4).to(tl.int8), qo8, si, out_dtype=tl.int32)
-                s = (si - 8 * qsum[None, :]).to(tl.float32) * (qmax * (1.0 / 127.0))[None, :]
-            else:
-                # int4 -> fp16 without int-to-float conversions: 0x6400 | u is the fp16 1024 + u (exact), so
-                # minus 1032 gives u - 8 = v exactly (v in [-7, 7], exact in fp16)
-                p32 = packed.to(tl.int32)
-                lo = ((p32 & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-                hi = ((p32 >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-                # q in fp16: relative rounding error <= 2^-11 per element, so a score is off by at most
-                # 2^-11 * sum_r |k_r q_r| (~1e-3 relative) -- far below the int4 sketch's own error, and only
-                # reorders near-ties at the top-k boundary. Products are exact, accumulation is fp32.
-                s = tl.dot(lo, qe.to(tl.float16), out_dtype=tl.float32)
-                s = tl.dot(hi, qo.to(tl.float16), s)
+            packed = tl.load(row_sk[:, None] + h * H2 + k[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            # int4 -> fp16 without int-to-float conversions: 0x6400 | u is the fp16 1024 + u (exact), so
+            # minus 1032 gives u - 8 = v exactly (v in [-7, 7], exact in fp16). (int8 operands instead -- the
+            # nibbles as they are, q quantised per head -- ran slower: 225 vs 199 us per layer, H200 run 42.)
+            lo = ((packed & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            hi = ((packed >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            # q in fp16: relative rounding error <= 2^-11 per element, so a score is off by at most
+            # 2^-11 * sum_r |k_r q_r| (~1e-3 relative) -- far below the int4 sketch's own error, and only
+            # reorders near-ties at the top-k boundary. Products are exact, accumulation is fp32.
+            qe = tl.load(q_even + h * stride_qh, mask=gmask[None, :], other=0.0).to(tl.float16)
+            qo = tl.load(q_even + h * stride_qh + 1, mask=gmask[None, :], other=0.0).to(tl.float16)
+            s = tl.dot(lo, qe, out_dtype=tl.float32)
+            s = tl.dot(hi, qo, s)
             sc = tl.load(row_sc + h, mask=valid, other=0.0).to(tl.float32)
             s = s * sc[:, None]                                                  # [TOK, GP]
             if MODE == 0 or MODE == 1:
@@ -434,6 +415,51 @@ if triton is not None:
                 acc = (run_m + tl.log2(run_l)) * LN2
             tl.store(out_ptr + b * stride_ob + t, tl.where(valid, acc, float("-inf")), mask=t < max_len)
 
+
+if triton is not None:
+
+    @triton.jit
+    def _sketch_score_heads_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr, y_ptr,
+                                   sinks, recent, max_len, num_blocks, qk_scale,
+                                   stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
+                                   stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
+                                   HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
+                                   G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
+        # MODE 4 of _sketch_score_dot_kernel with every KV head at once: the tile's whole sketch rows
+        # [HKV, TOK, R/2] load in one go (each token's HKV * R/2 bytes are contiguous) and one batched
+        # tensor-core dot per nibble scores them ([HKV, TOK, R/2] @ [HKV, R/2, GP]), instead of HKV
+        # dependent load -> dot rounds (the per-head kernel moved ~1.7 TB/s of the ~4.1 copy bandwidth:
+        # too few bytes in flight per program). lse_ptr, out_ptr, SHARED: unused (one launcher).
+        tl.static_assert(MODE == 4)
+        TOK: tl.constexpr = BPP * BS
+        H2: tl.constexpr = R // 2
+        b = tl.program_id(0)
+        n = tl.load(lens_ptr + b)
+        t = tl.program_id(1) * TOK + tl.arange(0, TOK)
+        j = t // BS
+        live = (j * BS < n) & (j < num_blocks)
+        valid = live & (t >= sinks) & (t < n - recent)
+        blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
+        hh = tl.arange(0, HKV)
+        k = tl.arange(0, H2)
+        gs = tl.arange(0, GP)
+        row = blk * stride_skb + (t % BS) * (HKV * H2)                                       # [TOK]
+        packed = tl.load(sk_ptr + row[None, :, None] + hh[:, None, None] * H2 + k[None, None, :],
+                         mask=valid[None, :, None], other=0).to(tl.int32)                     # [HKV, TOK, R/2]
+        lo = ((packed & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0   # see the dot kernel
+        hi = ((packed >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+        q_even = (qp_ptr + b * stride_qb + hh[:, None, None] * stride_qh + gs[None, None, :] * stride_qg
+                  + 2 * k[None, :, None])                                                    # [HKV, R/2, GP]
+        gmask = (gs < G)[None, None, :]
+        qe = tl.load(q_even, mask=gmask, other=0.0).to(tl.float16)
+        qo = tl.load(q_even + 1, mask=gmask, other=0.0).to(tl.float16)
+        s = tl.dot(lo, qe, out_dtype=tl.float32)
+        s = tl.dot(hi, qo, s)                                                                # [HKV, TOK, GP]
+        sc = tl.load(sc_ptr + blk[None, :] * stride_scb + (t % BS)[None, :] * HKV + hh[:, None],
+                     mask=valid[None, :], other=0.0).to(tl.float32)                          # [HKV, TOK]
+        x = tl.minimum(tl.where(valid[None, :, None], s * sc[:, :, None] * qk_scale, float("-inf")), 65000.0)
+        tl.store(y_ptr + b.to(tl.int64) * stride_yb + (hh[:, None, None] * G + gs[None, None, :]) * max_len
+                 + t[None, :, None], x.to(tl.float16), mask=(t < max_len)[None, :, None] & gmask)
 
 if triton is not None:
 
@@ -495,22 +521,23 @@ COMBINE_TOKENS = 1024   # tokens per _softmax_combine_kernel program (8 per thre
 def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                      shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 2,
                      num_warps: int = 4, two_pass: bool = False,
-                     scratch_bytes: int = SOFTMAX_SCRATCH_BYTES, q_int8: bool = False) -> torch.Tensor:
+                     scratch_bytes: int = SOFTMAX_SCRATCH_BYTES, batched_heads: bool = False) -> torch.Tensor:
     """sketch_score on tensor cores (tl.dot, fp16 operands, fp32 accumulation); same meaning as
     sketch_score_ref up to q's fp16 rounding (see the kernel). Needs r % 32 == 0 (tl.dot: K = r/2 >= 16).
-    q_int8: int8 operands (the nibbles as they are, q quantised per head in the kernel), int32 accumulation;
-    needs r % 64 == 0 (int8 MMA: K = r/2 >= 32); scores within max|q| / 254 * sum_r |k_r| of the reference.
+    batched_heads (softmax with stored head scores only): the scoring pass with all KV heads in one batched
+    dot (_sketch_score_heads_kernel), the same arithmetic.
     softmax: the sketch scored once, head scores stored in fp16 for pass 2 (see _launch_score); two_pass=True:
     scored twice, nothing stored (the previous kernel, kept to measure against). bpp (blocks per program) and num_warps: swept on
     an H200 by benchmarks/bench_sketch_score.py."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     qp = _as_groups(qp).contiguous()
-    assert qp.shape[-1] % (64 if q_int8 else 32) == 0, "tl.dot needs K = r/2 >= 16 (int8: 32), a power of two"
+    assert qp.shape[-1] % 32 == 0, "tl.dot needs K = r/2 >= 16 (and a power of two)"
     gp = max(16, triton.next_power_of_2(qp.shape[2]))
-    return _launch_score(_sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
+    heads = batched_heads and combine == "softmax" and not two_pass
+    return _launch_score(_sketch_score_heads_kernel if heads else _sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
                          max_len, shared, combine, sm_scale, bpp, num_warps, gp, store_heads=not two_pass,
-                         scratch_bytes=scratch_bytes, q_int8=q_int8)
+                         scratch_bytes=scratch_bytes)
 
 
 def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
@@ -528,9 +555,9 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     if kernel == "auto":
         kernel = "dot" if combine == "softmax" else "fma"
     if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        if kernel in ("dot", "dot8") and qp.shape[-1] % 32 == 0:
+        if kernel in ("dot", "dot3") and qp.shape[-1] % 32 == 0:
             return sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
-                                    combine, sm_scale, q_int8=kernel == "dot8" and qp.shape[-1] % 64 == 0)
+                                    combine, sm_scale, batched_heads=kernel == "dot3")
         return sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                    combine, sm_scale)
     return sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
