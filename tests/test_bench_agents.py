@@ -55,8 +55,10 @@ def independent_sizes() -> dict:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("agents")
+    # 1,536-token steps: the 2K prompts prefill in two chunks (the progress check must count cached tokens,
+    # not outputs; H200 run 43 failed every real 128K prefill on it)
     bench(["--agents", "1", "2", "--contexts", "1K", "2K", "--configs", "sparse", "dense", "--breakdown",
-           "--breakdown-steps", "1", "--out-dir", str(out), "--name", "grid", *SMALL])
+           "--breakdown-steps", "1", "--max-num-batched-tokens", "1536", "--out-dir", str(out), "--name", "grid", *SMALL])
     return out, json.load(open(out / "grid.json"))
 
 
@@ -150,6 +152,20 @@ def test_random_fill_then_merge(report, tmp_path):
     assert [y for y in m["rows"] if y["config"] == "sparse" and y["agents"] == 1 and y["context"] == 2048][0][
         "prefill"]["mode"] == "random"
     assert "merged from" in (tmp_path / "merged.md").read_text()
+
+
+def test_max_agents_all_decode(tmp_path):
+    """--agents max: as many agents as the budgets hold (here the host budget), every one of them prefilled and
+    decoding through the timed window. The tails' prefill takes several steps at this many agents; agents done
+    with theirs must not run ahead and finish turn 1 early (H200 run 43: 14 x 250K failed so)."""
+    bench(["--agents", "max", "--contexts", "4K", "--configs", "sparse", "--fill", "random", "--tail", "1024",
+           "--sparse-host-budget-gb", "0.02", "--max-num-batched-tokens", "4096", "--out-dir", str(tmp_path),
+           "--name", "max", *SMALL])
+    r = json.load(open(tmp_path / "max.json"))
+    (row,) = r["rows"]
+    cap = {c["config"]: c["max_agents"] for c in r["capacity"]}
+    assert row["status"] == "ok", row.get("reason")
+    assert row["agents"] == cap["sparse"] >= 8 and row["decode"]["steps"] == 6
 
 
 def test_point_flags():

@@ -325,12 +325,19 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     t_fill = time.perf_counter() - t0
     t0 = time.perf_counter()
     steps = 0
+    # the cold prefill at full speed: no decode-only steps for agents that finished theirs (the engine's
+    # decode_time_share), so those decode at most one token per prefill step, as turn1_max_tokens counts
+    share, eng.scheduler.cfg.decode_time_share = eng.scheduler.cfg.decode_time_share, 0.0
     while not all(s.output_token_ids for s in seqs):
-        if not eng.step() and not eng.scheduler.running:
+        cached = sum(s.num_cached for s in seqs)
+        # a prompt chunk step returns no outputs (partly prefilled sequences are not "running" yet):
+        # progress is tokens cached or tokens out
+        if not eng.step() and sum(s.num_cached for s in seqs) == cached:
             raise RuntimeError("the engine made no progress during prefill")
         steps += 1
     _sync(dev)
     prefill_s = time.perf_counter() - t0
+    eng.scheduler.cfg.decode_time_share = share
     prefill = {"mode": args.fill, "filled_tokens_per_agent": filled, "fill_seconds": t_fill,
                "tokens": n * (L - filled), "seconds": prefill_s, "tok_s": n * (L - filled) / prefill_s,
                "steps": steps, "chunk": chunk}
