@@ -90,20 +90,16 @@ def main():
     def dot2(*args, **kw):
         return sketch_score_dot(*args, **kw, two_pass=True)
 
-    def dot3(*args, **kw):
-        return sketch_score_dot(*args, **kw, batched_heads=True)
-
-    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot3": dot3, "dot2": dot2}
+    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot2": dot2}
     dot_tiles = [(1, 4), (2, 4)] if a.quick else [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (1, 8)]
     tiles = {"fma": [(1, 2)] if a.quick else [(1, 2), (1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)],
-             "dot": dot_tiles, "dot2": [(2, 4)],
-             "dot3": [(1, 4), (2, 4), (1, 8), (2, 8), (4, 8), (1, 2)]}
+             "dot": dot_tiles, "dot2": [(2, 4)]}
     rows = []
     for name, (q, combine) in cases.items():
         ref = refs[name]
         fin = torch.isfinite(ref)
         for kname, fn in kernels.items():
-            if kname in ("dot2", "dot3") and combine != "softmax":
+            if kname == "dot2" and combine != "softmax":
                 continue
             for bpp, nw in tiles[kname]:
                 def call():
@@ -125,7 +121,7 @@ def main():
     # In the engine these run inside CUDA graphs: the same calls replayed from graphs (launch gaps without the
     # eager host overhead of the small torch ops between kernels).
     best = {}
-    for kname in ("dot", "dot3", "dot2"):
+    for kname in ("dot", "dot2"):
         ok = [x for x in rows if x["case"] == "softmax" and x["kernel"] == kname and "us" in x]
         if ok:
             bpp, nw = min(ok, key=lambda x: x["us"])["bpp"], min(ok, key=lambda x: x["us"])["warps"]

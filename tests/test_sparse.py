@@ -196,9 +196,6 @@ def test_interp_sketch_score_dot_kernel_matches_reference(shared, combine):
                     assert torch.equal(one, out)
                     two = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, two_pass=True)
                     assert ((two - ref)[fin].abs() <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all()
-                    # every KV head in one batched dot: the same arithmetic
-                    assert torch.equal(sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm,
-                                                        batched_heads=True), out)
 
 
 def _as_heads(q):

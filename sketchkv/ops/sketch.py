@@ -91,7 +91,7 @@ if triton is not None:
 
 
 COMBINES = ("sum", "max", "softmax")
-KERNELS = ("auto", "fma", "dot", "dot3")   # sketch_score(kernel=...)
+KERNELS = ("auto", "fma", "dot")   # sketch_score(kernel=...)
 
 
 def softmax_combine(s: torch.Tensor, num_kv_heads: int, shared: bool, sm_scale: float) -> torch.Tensor:
@@ -289,8 +289,7 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
             qp[rows], sketch, scale, block_tables[rows], seq_lens[rows], lse, out[rows], y, sinks, recent, max_len,
             min(nblk, block_tables.shape[1]), qk_scale, qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0),
             scale.stride(0), block_tables.stride(0), stride_lb, stride_lp, out.stride(0), out.stride(1), y.stride(0),
-            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared,
-            num_warps=num_warps)
+            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, num_warps=num_warps)
 
     if combine != "softmax":
         launch(slice(0, B), COMBINES.index(combine), out, 0, 0)
@@ -362,8 +361,10 @@ if triton is not None:
         for h in tl.static_range(HKV):
             packed = tl.load(row_sk[:, None] + h * H2 + k[None, :], mask=valid[:, None], other=0).to(tl.int32)
             # int4 -> fp16 without int-to-float conversions: 0x6400 | u is the fp16 1024 + u (exact), so
-            # minus 1032 gives u - 8 = v exactly (v in [-7, 7], exact in fp16). (int8 operands instead -- the
-            # nibbles as they are, q quantised per head -- ran slower: 225 vs 199 us per layer, H200 run 42.)
+            # minus 1032 gives u - 8 = v exactly (v in [-7, 7], exact in fp16). Tried and slower at 8 x 250K
+            # (softmax scoring pass, 199 us per layer with this code): int8 operands, the nibbles as they are with
+            # q quantised per head (225 us, H200 run 42: the pass is not bound by this arithmetic); every KV head
+            # in one [HKV, TOK, R/2] load and batched dot (289 us, run 43).
             lo = ((packed & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             hi = ((packed >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
             # q in fp16: relative rounding error <= 2^-11 per element, so a score is off by at most
@@ -415,51 +416,6 @@ if triton is not None:
                 acc = (run_m + tl.log2(run_l)) * LN2
             tl.store(out_ptr + b * stride_ob + t, tl.where(valid, acc, float("-inf")), mask=t < max_len)
 
-
-if triton is not None:
-
-    @triton.jit
-    def _sketch_score_heads_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr, y_ptr,
-                                   sinks, recent, max_len, num_blocks, qk_scale,
-                                   stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
-                                   stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
-                                   HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                                   G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
-        # MODE 4 of _sketch_score_dot_kernel with every KV head at once: the tile's whole sketch rows
-        # [HKV, TOK, R/2] load in one go (each token's HKV * R/2 bytes are contiguous) and one batched
-        # tensor-core dot per nibble scores them ([HKV, TOK, R/2] @ [HKV, R/2, GP]), instead of HKV
-        # dependent load -> dot rounds (the per-head kernel moved ~1.7 TB/s of the ~4.1 copy bandwidth:
-        # too few bytes in flight per program). lse_ptr, out_ptr, SHARED: unused (one launcher).
-        tl.static_assert(MODE == 4)
-        TOK: tl.constexpr = BPP * BS
-        H2: tl.constexpr = R // 2
-        b = tl.program_id(0)
-        n = tl.load(lens_ptr + b)
-        t = tl.program_id(1) * TOK + tl.arange(0, TOK)
-        j = t // BS
-        live = (j * BS < n) & (j < num_blocks)
-        valid = live & (t >= sinks) & (t < n - recent)
-        blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
-        hh = tl.arange(0, HKV)
-        k = tl.arange(0, H2)
-        gs = tl.arange(0, GP)
-        row = blk * stride_skb + (t % BS) * (HKV * H2)                                       # [TOK]
-        packed = tl.load(sk_ptr + row[None, :, None] + hh[:, None, None] * H2 + k[None, None, :],
-                         mask=valid[None, :, None], other=0).to(tl.int32)                     # [HKV, TOK, R/2]
-        lo = ((packed & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0   # see the dot kernel
-        hi = ((packed >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-        q_even = (qp_ptr + b * stride_qb + hh[:, None, None] * stride_qh + gs[None, None, :] * stride_qg
-                  + 2 * k[None, :, None])                                                    # [HKV, R/2, GP]
-        gmask = (gs < G)[None, None, :]
-        qe = tl.load(q_even, mask=gmask, other=0.0).to(tl.float16)
-        qo = tl.load(q_even + 1, mask=gmask, other=0.0).to(tl.float16)
-        s = tl.dot(lo, qe, out_dtype=tl.float32)
-        s = tl.dot(hi, qo, s)                                                                # [HKV, TOK, GP]
-        sc = tl.load(sc_ptr + blk[None, :] * stride_scb + (t % BS)[None, :] * HKV + hh[:, None],
-                     mask=valid[None, :], other=0.0).to(tl.float32)                          # [HKV, TOK]
-        x = tl.minimum(tl.where(valid[None, :, None], s * sc[:, :, None] * qk_scale, float("-inf")), 65000.0)
-        tl.store(y_ptr + b.to(tl.int64) * stride_yb + (hh[:, None, None] * G + gs[None, None, :]) * max_len
-                 + t[None, :, None], x.to(tl.float16), mask=(t < max_len)[None, :, None] & gmask)
 
 if triton is not None:
 
@@ -521,11 +477,9 @@ COMBINE_TOKENS = 1024   # tokens per _softmax_combine_kernel program (8 per thre
 def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                      shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 2,
                      num_warps: int = 4, two_pass: bool = False,
-                     scratch_bytes: int = SOFTMAX_SCRATCH_BYTES, batched_heads: bool = False) -> torch.Tensor:
+                     scratch_bytes: int = SOFTMAX_SCRATCH_BYTES) -> torch.Tensor:
     """sketch_score on tensor cores (tl.dot, fp16 operands, fp32 accumulation); same meaning as
     sketch_score_ref up to q's fp16 rounding (see the kernel). Needs r % 32 == 0 (tl.dot: K = r/2 >= 16).
-    batched_heads (softmax with stored head scores only): the scoring pass with all KV heads in one batched
-    dot (_sketch_score_heads_kernel), the same arithmetic.
     softmax: the sketch scored once, head scores stored in fp16 for pass 2 (see _launch_score); two_pass=True:
     scored twice, nothing stored (the previous kernel, kept to measure against). bpp (blocks per program) and num_warps: swept on
     an H200 by benchmarks/bench_sketch_score.py."""
@@ -534,8 +488,7 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
     qp = _as_groups(qp).contiguous()
     assert qp.shape[-1] % 32 == 0, "tl.dot needs K = r/2 >= 16 (and a power of two)"
     gp = max(16, triton.next_power_of_2(qp.shape[2]))
-    heads = batched_heads and combine == "softmax" and not two_pass
-    return _launch_score(_sketch_score_heads_kernel if heads else _sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
+    return _launch_score(_sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
                          max_len, shared, combine, sm_scale, bpp, num_warps, gp, store_heads=not two_pass,
                          scratch_bytes=scratch_bytes)
 
@@ -555,9 +508,9 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     if kernel == "auto":
         kernel = "dot" if combine == "softmax" else "fma"
     if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        if kernel in ("dot", "dot3") and qp.shape[-1] % 32 == 0:
+        if kernel == "dot" and qp.shape[-1] % 32 == 0:
             return sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
-                                    combine, sm_scale, batched_heads=kernel == "dot3")
+                                    combine, sm_scale)
         return sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                    combine, sm_scale)
     return sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
