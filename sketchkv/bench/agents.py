@@ -418,19 +418,21 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
         bd["graph_step_ms"] = decode["step_ms_mean"]
         bd["bytes"] = {"weights": b["weights"], "gdn": b["gdn_state"], "selection": b["sketch"], "attention": b["kv"],
                        "pcie_misses": b["pcie"]}
-    # ---- follow-up turn: agent 0 alone, then the others together. With 3+ agents the last agent's turn
-    # runs first, untimed: it compiles / autotunes the follow-up path's kernels (first use: ~11 s on a fresh
-    # H200, run 7), which is a one-time cost of the process, not of a turn.
+    # ---- follow-up turn: agent 0 alone, then the others together. First, untimed, a warm-up turn on agent
+    # 0's conversation with another message (its reversal: no 64-token block of it matches the real one): it
+    # compiles / autotunes the follow-up path's kernels (first use: ~11 s on a fresh H200, run 7; 13.8 s in
+    # run 44's 1 x 128K), a one-time cost of the process, not of a turn.
     for s in seqs:
         eng.abort(s.request_id)
-    fu = {"tokens_added": args.followup_tokens, "decode_tokens": args.followup_decode, "warmed_up": n > 2}
+    fu = {"tokens_added": args.followup_tokens, "decode_tokens": args.followup_decode, "warmed_up": True}
     fparams = SamplingParams(temperature=0, max_tokens=max(1, args.followup_decode), ignore_eos=True)
     conv = [list(s.token_ids) + m for s, m in zip(seqs, msgs)]
-    groups = ([[n - 1]] if n > 2 else []) + [[0]] + ([list(range(1, n - 1 if n > 2 else n))] if n > 1 else [])
+    warm = list(seqs[0].token_ids) + msgs[0][::-1]
+    groups = [None, [0]] + ([list(range(1, n))] if n > 1 else [])
     ttft, cached, prompt_len = [], [], []
     for grp in groups:
         _sync(dev)
-        fs = [eng.add_request(conv[i], fparams) for i in grp]
+        fs = [eng.add_request(warm, fparams)] if grp is None else [eng.add_request(conv[i], fparams) for i in grp]
         while not all(s.first_token_time is not None for s in fs):
             eng.step()
         _sync(dev)
@@ -439,8 +441,7 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
         prompt_len += [s.num_prompt_tokens for s in fs]
         while eng.has_unfinished:
             eng.step()
-    if n > 2:  # drop the warm-up turn
-        ttft, cached, prompt_len = ttft[1:], cached[1:], prompt_len[1:]
+    ttft, cached, prompt_len = ttft[1:], cached[1:], prompt_len[1:]   # drop the warm-up turn
     fu.update(ttft_s=ttft[0][0], ttft_concurrent_mean_s=statistics.fmean(ttft[1]) if n > 1 else None,
               ttft_concurrent_max_s=max(ttft[1]) if n > 1 else None, concurrent_agents=len(ttft[1]) if n > 1 else 0,
               cached_tokens_mean=statistics.fmean(cached), prompt_tokens_mean=statistics.fmean(prompt_len))
@@ -876,8 +877,9 @@ def markdown(r: dict, png: str) -> str:
               "mean step time, `per agent` = 1 / mean step time (agents advance in lockstep). With `--fill random` the "
               "prefill column is the tail prefill (the last --tail tokens per agent over a cached prefix), not a cold "
               "prefill. Follow-up TTFT: agent 0's next turn alone (its whole conversation + the new tokens re-sent; the "
-              "prefix cache serves it up to the last GDN snapshot), then the other agents' at once (max shown); with "
-              "3+ agents the last agent's turn runs first, untimed, so first-use kernel compilation is not counted.", ""]
+              "prefix cache serves it up to the last GDN snapshot), then the other agents' at once (max shown); an "
+              "untimed warm-up turn (agent 0's conversation with another message) runs first, so first-use kernel "
+              "compilation is not counted.", ""]
     return "\n".join(L)
 
 
