@@ -66,7 +66,7 @@ class EngineConfig:
         "qwen4_exp, the host tier or speculative decoding yet")})
     prefill_attention: str = field(default="cudnn", metadata={"help": "prefill attention kernel on a GPU: cudnn (SDPA's cuDNN op, 2x flash on an H200 for chunks after a cached prefix; a shape it refuses falls back to flash with a warning) | flash (SDPA's FlashAttention-2 op)"})
     num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: tokens drafted per step by the checkpoint's mtp.* layer, verified in one target step (0 = off)"})
-    mtp_attention_window: int = field(default=0, metadata={"help": "MTP drafter: 0 = its attention reads the whole context (as trained); W > 0 = the first 64 tokens and the last W only (it reads its whole KV every draft step: 8 GB per step at 8 x 250K of the 27B shape). Drafts only: the output is unchanged, the acceptance may drop"})
+    mtp_attention_window: int = field(default=4096, metadata={"help": "MTP drafter: W > 0 = its attention reads the first 64 tokens and the last W only; 0 = the whole context, as trained (it then reads its whole KV every draft step: 8 GB per step at 8 x 250K of the 27B shape, about a fifth of a verification step, H200 run 39). Drafts only: the output is unchanged. Accepted length at W = 4096, reference model, n = 7 (windowed / dense): 8K explain 2.05 / 2.08 (CPU, session 12); 64K explain 2.41 / 2.28, copy 4.59 / 4.52 (H200 runs 40-41); W = 1024 at 8K lost a sixth on explain"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
