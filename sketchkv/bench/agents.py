@@ -328,16 +328,18 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     # the cold prefill at full speed: no decode-only steps for agents that finished theirs (the engine's
     # decode_time_share), so those decode at most one token per prefill step, as turn1_max_tokens counts
     share, eng.scheduler.cfg.decode_time_share = eng.scheduler.cfg.decode_time_share, 0.0
-    while not all(s.output_token_ids for s in seqs):
-        cached = sum(s.num_cached for s in seqs)
-        # a prompt chunk step returns no outputs (partly prefilled sequences are not "running" yet):
-        # progress is tokens cached or tokens out
-        if not eng.step() and sum(s.num_cached for s in seqs) == cached:
-            raise RuntimeError("the engine made no progress during prefill")
-        steps += 1
+    try:   # the engine serves the next points too
+        while not all(s.output_token_ids for s in seqs):
+            cached = sum(s.num_cached for s in seqs)
+            # a prompt chunk step returns no outputs (partly prefilled sequences are not "running" yet):
+            # progress is tokens cached or tokens out
+            if not eng.step() and sum(s.num_cached for s in seqs) == cached:
+                raise RuntimeError("the engine made no progress during prefill")
+            steps += 1
+    finally:
+        eng.scheduler.cfg.decode_time_share = share
     _sync(dev)
     prefill_s = time.perf_counter() - t0
-    eng.scheduler.cfg.decode_time_share = share
     prefill = {"mode": args.fill, "filled_tokens_per_agent": filled, "fill_seconds": t_fill,
                "tokens": n * (L - filled), "seconds": prefill_s, "tok_s": n * (L - filled) / prefill_s,
                "steps": steps, "chunk": chunk}
@@ -424,15 +426,15 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     # run 44's 1 x 128K), a one-time cost of the process, not of a turn.
     for s in seqs:
         eng.abort(s.request_id)
-    fu = {"tokens_added": args.followup_tokens, "decode_tokens": args.followup_decode, "warmed_up": True}
+    fu = {"tokens_added": args.followup_tokens, "decode_tokens": args.followup_decode}
     fparams = SamplingParams(temperature=0, max_tokens=max(1, args.followup_decode), ignore_eos=True)
     conv = [list(s.token_ids) + m for s, m in zip(seqs, msgs)]
     warm = list(seqs[0].token_ids) + msgs[0][::-1]
-    groups = [None, [0]] + ([list(range(1, n))] if n > 1 else [])
+    turns = [[warm], conv[:1]] + ([conv[1:]] if n > 1 else [])   # warm-up, agent 0, the others at once
     ttft, cached, prompt_len = [], [], []
-    for grp in groups:
+    for turn in turns:
         _sync(dev)
-        fs = [eng.add_request(warm, fparams)] if grp is None else [eng.add_request(conv[i], fparams) for i in grp]
+        fs = [eng.add_request(ids, fparams) for ids in turn]
         while not all(s.first_token_time is not None for s in fs):
             eng.step()
         _sync(dev)
