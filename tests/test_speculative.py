@@ -453,3 +453,40 @@ def test_windowed_drafter_changes_acceptance_not_tokens(mtp_ckpt):
     assert stats[4096] == stats[0]
     with pytest.raises(RequestError, match="mtp_attention_window"):
         _llm(mtp_ckpt, num_speculative_tokens=3, mtp_attention_window=-1)
+
+
+def test_prefix_hit_restores_the_windowed_drafters_ring(mtp_ckpt):
+    """The windowed drafter's K/V ring is per-slot state: a follow-up turn that starts from a cached prefix
+    restores it with the GDN snapshot (taken after the step's catch-up), so its drafter sees the same K/V as
+    a run that prefilled the whole conversation. One state slot: the conversation in between overwrites it."""
+    prompt = _prompts((100,), 11)[0]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm = _llm(mtp_ckpt, num_speculative_tokens=3, max_num_seqs=1)
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].token_ids
+    llm.generate(prompt_token_ids=_prompts((150,), 12), sampling_params=sp)
+    follow = prompt + first + _prompts((20,), 13)[0]
+    hits = llm.engine.scheduler.prefix_hits
+    llm.generate(prompt_token_ids=[follow], sampling_params=one)
+    assert llm.engine.scheduler.prefix_hits - hits >= 96
+    fresh = _llm(mtp_ckpt, num_speculative_tokens=3, max_num_seqs=1, enable_prefix_caching=False)
+    fresh.generate(prompt_token_ids=[follow], sampling_params=one)
+    got, ref = llm.engine.runner.mtp_ring_layers[0], fresh.engine.runner.mtp_ring_layers[0]
+    rows = got.rows(torch.tensor(0), torch.arange(len(follow)))
+    for a, b in ((got.k_cache, ref.k_cache), (got.v_cache, ref.v_cache)):
+        assert b[rows].abs().amin(-1).amin(-1).gt(0).all()   # every position written
+        torch.testing.assert_close(a[rows], b[rows], atol=1e-4, rtol=1e-4)
+
+
+def test_windowed_drafter_memory_does_not_grow_with_context(mtp_ckpt):
+    """Its K/V: sinks + a ring of W + n + 1 rows (rounded up to blocks) per state slot, not per token."""
+    runner = _llm(mtp_ckpt, num_speculative_tokens=3, mtp_attention_window=40).engine.runner
+    dense = _llm(mtp_ckpt, num_speculative_tokens=3, mtp_attention_window=0).engine.runner
+    ring = runner.mtp_ring_layers[0]
+    assert (ring.sinks, ring.width) == (64, 112)   # 64 + 40 + 3 + 1 = 108 -> 7 blocks of 16
+    c = runner.model_cfg
+    row = 2 * c.num_kv_heads * c.head_dim * 4   # K + V, float32
+    assert runner.spec.bytes_per_seq(10_000)["mtp_kv"] == runner.spec.bytes_per_seq(100)["mtp_kv"] == 112 * row
+    assert dense.spec.bytes_per_seq(10_000)["mtp_kv"] == 10_000 * row
+    assert dense.kv_bytes_per_block - runner.kv_bytes_per_block == 16 * row
+    assert runner.state_bytes_per_seq - dense.state_bytes_per_seq == 112 * row

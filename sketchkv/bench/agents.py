@@ -377,7 +377,9 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
         acc = spec1["spec_accepted_tokens"] - spec0["spec_accepted_tokens"]
         decode["speculative"] = {
             "num_speculative_tokens": r.spec.num_tokens, "verifications": v,
-            "extra_gpu_bytes_per_agent": r.spec.bytes_per_seq(round(ctx_mean)),   # MTP KV + kept GDN states
+            # what speculation adds: the MTP K/V (with the windowed drafter its ring, counted in the per-agent GPU
+            # bytes too, as per-slot state) and the GDN verification inputs
+            "extra_gpu_bytes_per_agent": r.spec.bytes_per_seq(round(ctx_mean)),
             "mean_accepted_length": (acc + v) / v if v else None, "verification_graphs": bool(r.verify_graphs),
             "reference_accepted_length": args.reference_accepted_length,
             "projected_tok_s": n * args.reference_accepted_length / step_s if args.reference_accepted_length else None}

@@ -182,15 +182,18 @@ class LLMEngine:
             # prefix-cache snapshot points inside the kept runs: (sequence, position, verified row t)
             snaps = [(seq, pos, pos - s - 1) for (seq, _), s, a in zip(batch, starts, advance)
                      for pos in range(s + 1, s + a) if self.scheduler.snapshot_point(seq, pos)]
+
+            def catch_up():
+                for seq, toks in zip(done, out.tokens):
+                    seq.token_ids.append(toks[-1])  # pending, like a sampled token; the drafter reads it
+                with record_function("spec.catch_up"):
+                    spec.catch_up(batch, starts)
+                for seq, toks in zip(done, out.tokens):  # emitted one by one below, through the stop checks
+                    del seq.token_ids[len(seq) - len(toks):]
+
             with record_function("spec.commit"):
                 spec.commit(done, out, {(seq.state_slot, t) for seq, _, t in snaps})   # keeps those states
-                self._after_run(batch, advance, snaps)
-            for seq, toks in zip(done, out.tokens):
-                seq.token_ids.append(toks[-1])  # pending, like a sampled token; the drafter reads it
-            with record_function("spec.catch_up"):
-                spec.catch_up(batch, starts)
-            for seq, toks in zip(done, out.tokens):  # emitted one by one below, through the stop checks
-                del seq.token_ids[len(seq) - len(toks):]
+            self._after_run(batch, advance, snaps, catch_up)
             self.stats.update({k: v for k, v in spec.metrics().items() if not isinstance(v, list)})
         outputs = []
         for i, seq in enumerate(done):
@@ -214,11 +217,14 @@ class LLMEngine:
         return outputs
 
     def _after_run(self, batch, advance: list[int] | None = None,
-                   snapshots: list[tuple[Sequence, int, int]] = ()) -> None:
+                   snapshots: list[tuple[Sequence, int, int]] = (), catch_up=None) -> None:
         """Caches advanced by one step: register blocks, save due GDN snapshots, log long prefills.
         snapshots: (sequence, position, verified row) of snapshot points passed inside a verified run (their
-        states were kept by Speculator.commit)."""
+        states were kept by Speculator.commit). catch_up: the drafter's pass over the kept rows, run once the
+        scheduler has counted them and before the snapshots are taken (they hold the drafter's K/V ring)."""
         self.scheduler.after_step(batch, advance)
+        if catch_up is not None:
+            catch_up()
         for seq, pos, t in snapshots:   # after after_step: the blocks' hashes are registered now
             self.runner.state_cache.save(seq.block_hashes[pos // self.blocks.block_size - 1],
                                          self.runner.spec.slot_states(seq.state_slot, t))

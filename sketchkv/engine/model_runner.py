@@ -17,6 +17,7 @@ from sketchkv.layers.sampler import SampleOutput, sample
 from sketchkv.kv.state_cache import StateCache
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.layers.tiered_attention import TieredAttention, TieredIndexedAttention, TieredKV
+from sketchkv.layers.windowed_attention import WindowedAttention
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.ops import prefill_attention, sketch as sketch_ops
 from sketchkv.parallel.comm import agree_min
@@ -115,6 +116,9 @@ class ModelRunner:
                 self._window_mtp_attention(model, cfg.mtp_attention_window)
             self.mtp_attn_layers = Speculator.mtp_layers(model)
             self.spec = Speculator(self, self.num_spec)
+        # the windowed drafter keeps its K/V in a ring per state slot, the dense one in the paged blocks
+        self.mtp_ring_layers = [m for m in self.mtp_attn_layers if isinstance(m, WindowedAttention)]
+        self.mtp_paged_layers = [m for m in self.mtp_attn_layers if not isinstance(m, WindowedAttention)]
         # decode: (sparse family, batch bucket, blocks per sequence); verification: (sparse family, batch bucket)
         self.graphs: dict[tuple[bool, int, int], torch.cuda.CUDAGraph] = {}
         self.verify_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
@@ -162,12 +166,10 @@ class ModelRunner:
             if sp.verify_selection == "shared":  # verification rows read the first row's picks + their own tokens
                 owner.attn.verify_extra = self.cfg.num_speculative_tokens
 
-    @staticmethod
-    def _window_mtp_attention(model, window: int) -> None:
-        from sketchkv.layers.windowed_attention import WindowedAttention
+    def _window_mtp_attention(self, model, window: int) -> None:
         for owner in model.mtp.modules():
             if isinstance(getattr(owner, "attn", None), Attention):
-                owner.attn = WindowedAttention(owner.attn, MTP_WINDOW_SINKS, window)
+                owner.attn = WindowedAttention(owner.attn, MTP_WINDOW_SINKS, window, self.num_spec, self.block_size)
 
     def _install_qsa_tier(self) -> None:
         """qwen4_exp: each indexed_attention layer keeps its QSA indexer as the selector and moves its
@@ -182,7 +184,7 @@ class ModelRunner:
         """GPU bytes per block of tokens: K + V rows (layers not in the host tier), plus the int4
         sketch and its scale for sparse layers and the hot buffer's slot map for tiered ones."""
         c = self.model_cfg
-        layers = len(self.attn_layers) - len(self.tier_layers) + len(self.mtp_attn_layers)  # MTP KV: same blocks
+        layers = len(self.attn_layers) - len(self.tier_layers) + len(self.mtp_paged_layers)  # dense MTP KV: same blocks
         kv = 2 * layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         return kv + self.selector_bytes_per_block + 4 * len(self.tier_layers) * self.block_size
 
@@ -233,11 +235,14 @@ class ModelRunner:
             total += math.prod(conv) * self.dtype.itemsize + math.prod(rec) * 4
         total += sum(m.state_bytes(self.dtype) for m in self.state_layers)
         total += sum(m.ratio * m.index_dim * self.dtype.itemsize for m in self.qsa_layers)
+        total += sum(m.ring_bytes(self.dtype) for m in self.mtp_ring_layers)
         return total
 
     def _allocate_states(self) -> None:
         for m in self.state_layers:
             m.allocate_state(self.num_state_slots, self.dtype, self.device)
+        for m in self.mtp_ring_layers:
+            m.allocate_ring(self.num_state_slots, self.dtype, self.device)
         for m in self.qsa_layers:
             m.index_tail = torch.zeros(self.num_state_slots, m.ratio, m.index_dim, dtype=self.dtype, device=self.device)
         for m in self.gdn_layers:
@@ -253,7 +258,7 @@ class ModelRunner:
             shape = (0 if m in self.tier_layers else num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
             m.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             m.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        for m in self.mtp_attn_layers:  # zeros: blocks cached without a drafter pass must not hold NaNs
+        for m in self.mtp_paged_layers:  # zeros: blocks cached without a drafter pass must not hold NaNs
             shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
             m.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             m.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -448,9 +453,12 @@ class ModelRunner:
         self.state_cache.save(block_hash, self.slot_states(slot))
 
     def slot_states(self, slot: int) -> list[torch.Tensor]:
-        """Views of one slot's state in every GDN layer (conv, recurrent, conv, ...)."""
-        return [t for m in self.gdn_layers for t in (m.conv_state[slot], m.ssm_state[slot])] \
-            + [t for m in self.state_layers for t in m.slot_state(slot)]
+        """Views of one slot's state in every GDN layer (conv, recurrent, conv, ...), then the other
+        per-slot state (qwen4_exp PLE, the windowed MTP drafter's K/V ring)."""
+        return [t for m in self.gdn_layers for t in (m.conv_state[slot], m.ssm_state[slot])] + self.extra_slot_states(slot)
+
+    def extra_slot_states(self, slot: int) -> list[torch.Tensor]:
+        return [t for m in self.state_layers + self.mtp_ring_layers for t in m.slot_state(slot)]
 
     # ---- forward -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -23,8 +23,10 @@ One engine step with speculation on (`num_speculative_tokens` = n > 0):
    hidden states and the next tokens, writing its KV cache and leaving its output at the last row
    for the next step's first draft.
 
-The MTP layer's KV cache is paged in the model's blocks (same block tables and slots: one more
-attention layer per block), so sharing, preemption and rollback need no extra bookkeeping.
+The dense drafter's KV cache (mtp_attention_window=0) is paged in the model's blocks (same block tables and
+slots: one more attention layer per block), so sharing, preemption and rollback need no extra bookkeeping;
+the windowed drafter (the default) keeps sinks + a ring of its recent K/V per state slot
+(layers/windowed_attention.py), saved and restored with the GDN state by the prefix cache.
 Steady-state verification steps (every sequence: its token + exactly n drafts; up to
 VERIFY_GRAPH_MAX_ROWS rows) replay a CUDA graph of bucket x (1 + n) rows (ModelRunner._replay_verify;
 emulated on CPU in tests, GPU-tested on an H200); other verification steps run eagerly; pure decode
@@ -153,6 +155,8 @@ class MTPDrafter:
         self.g_hidden[B:bucket].zero_()
         self.g_hidden[:B] = torch.stack([s.mtp_hidden for s in seqs])
         self.g_pos[:B] = to_device([s.num_cached for s in seqs], torch.int64, dev)
+        self.g_slots[B:bucket].fill_(self.runner.scratch_slot)   # the windowed drafter's rings are per slot
+        self.g_slots[:B] = to_device([s.state_slot for s in seqs], torch.int64, dev)
         tables = block_tables(seqs, pad=0)
         self.g_tables[:B, :tables.shape[1]] = tables.to(dev)
         self.graphs[bucket].replay()
@@ -268,10 +272,11 @@ class Speculator:
     def bytes_per_seq(self, context_len: int) -> dict:
         """Extra device memory one sequence (agent) costs with speculation on, at `context_len` tokens."""
         r, c = self.runner, self.runner.model_cfg
-        mtp_kv = 2 * len(self.mtp_layers(r.model)) * c.num_kv_heads * c.head_dim * r.dtype.itemsize
+        paged = 2 * len(r.mtp_paged_layers) * c.num_kv_heads * c.head_dim * r.dtype.itemsize * context_len
+        mtp_kv = paged + sum(m.ring_bytes(r.dtype) for m in r.mtp_ring_layers)   # the windowed drafter: its ring
         # no per-position GDN states (replayed from the step's inputs): the engine's input buffers, per sequence
         inputs = sum(m.verify_buffer_bytes() for m in r.gdn_layers) / r.cfg.scheduler.max_num_seqs
-        return {"mtp_kv": mtp_kv * context_len, "gdn_verify_inputs": inputs, "total": mtp_kv * context_len + inputs}
+        return {"mtp_kv": mtp_kv, "gdn_verify_inputs": inputs, "total": mtp_kv + inputs}
 
     # ---- one step ------------------------------------------------------------------------------
     def propose(self, batch: list[tuple[Sequence, int]]) -> None:
@@ -345,8 +350,9 @@ class Speculator:
 
     def slot_states(self, slot: int, t: int) -> list[torch.Tensor]:
         """Like ModelRunner.slot_states, for the state after verified position t of this step (asked for in
-        commit's snapshots)."""
-        return [x for m in self.runner.gdn_layers for x in m.snapshots[(slot, t)]]
+        commit's snapshots). The drafter's K/V ring is taken as it is after the step's catch-up: it holds the
+        window of position t too (its ring has room for the n rows past t)."""
+        return [x for m in self.runner.gdn_layers for x in m.snapshots[(slot, t)]] + self.runner.extra_slot_states(slot)
 
     def metrics(self) -> dict:
         """Mean accepted length = tokens emitted per verification (accepted drafts + the target's one)."""
