@@ -65,6 +65,9 @@ def main():
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="the best tiles of the full sweep (H200 runs 17, 28, 42) only")
     p.add_argument("--out", default="benchmarks/results/sketch-score.json")
+    p.add_argument("--profile", action="store_true",
+                   help="only run the engine's softmax scoring call three times, for a profiler: ncu --clock-control none "
+                        "-k regex:_sketch_score_dot_kernel --launch-skip 2 --launch-count 1 python3 %(prog)s --profile")
     a = p.parse_args()
     B, L, Hq, Hkv, r, bs, sinks, recent = a.batch, a.context, 24, 4, a.rank, 64, 64, 1024
     G = Hq // Hkv
@@ -79,6 +82,11 @@ def main():
     q_sum = torch.randn(B, Hkv, r, device="cuda") * 2
     q_heads = torch.randn(B, Hkv, G, r, device="cuda") * 2
     sm = 256 ** -0.5
+    if a.profile:
+        for _ in range(3):
+            sketch_score_dot(q_heads, sk, sc, tables, lens, sinks, recent, max_len, True, "softmax", 256 ** -0.5)
+        torch.cuda.synchronize()
+        return
     tokens = int(lens.sum())
     read = tokens * Hkv * (r // 2 + 2)
     floors = {"sum": (read + B * max_len * 4) / bw, "softmax": (read + B * max_len * 4) / bw}
