@@ -98,10 +98,14 @@ def main():
     def dot2(*args, **kw):
         return sketch_score_dot(*args, **kw, two_pass=True)
 
-    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot2": dot2}
-    dot_tiles = [(1, 4), (2, 4)] if a.quick else [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (1, 8)]
+    def dot_ops(*args, **kw):
+        return sketch_score_dot(*args, **kw, unpack="ops")
+
+    # dot: the int4 nibbles unpacked by PTX (the default on CUDA); dot_ops: by Triton ops (session 12's kernel)
+    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot_ops": dot_ops, "dot2": dot2}
+    dot_tiles = [(1, 4), (2, 4), (2, 8)] if a.quick else [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (1, 8)]
     tiles = {"fma": [(1, 2)] if a.quick else [(1, 2), (1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)],
-             "dot": dot_tiles, "dot2": [(2, 4)]}
+             "dot": dot_tiles, "dot_ops": dot_tiles, "dot2": [(2, 4)]}
     rows = []
     for name, (q, combine) in cases.items():
         ref = refs[name]
@@ -129,7 +133,7 @@ def main():
     # In the engine these run inside CUDA graphs: the same calls replayed from graphs (launch gaps without the
     # eager host overhead of the small torch ops between kernels).
     best = {}
-    for kname in ("dot", "dot2"):
+    for kname in ("dot", "dot_ops", "dot2"):
         ok = [x for x in rows if x["case"] == "softmax" and x["kernel"] == kname and "us" in x]
         if ok:
             bpp, nw = min(ok, key=lambda x: x["us"])["bpp"], min(ok, key=lambda x: x["us"])["warps"]

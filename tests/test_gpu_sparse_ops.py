@@ -67,6 +67,9 @@ def test_gpu_sketch_score_dot_250k(shared, combine):
         assert (err <= bound[fin] + 1e-3 * (1 + ref[fin].abs())).all(), err.max()
     assert torch.equal(sketch_score(q, packed, scale, *geo, shared, combine, D ** -0.5, kernel="dot"),
                        sketch_score_dot(q, packed, scale, *geo, shared, combine, D ** -0.5))
+    # the PTX int4 unpacking (the default on CUDA) and the Triton-op one give the same fp16 operands: same scores
+    assert torch.equal(sketch_score_dot(q, packed, scale, *geo, shared, combine, D ** -0.5, unpack="asm"),
+                       sketch_score_dot(q, packed, scale, *geo, shared, combine, D ** -0.5, unpack="ops"))
 
 
 def test_gpu_topk_positions_250k_same_set_as_reference():

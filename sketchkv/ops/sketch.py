@@ -91,6 +91,7 @@ if triton is not None:
 
 
 COMBINES = ("sum", "max", "softmax")
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # Triton chose the interpreter at import
 KERNELS = ("auto", "fma", "dot")   # sketch_score(kernel=...)
 
 
@@ -262,7 +263,8 @@ SOFTMAX_SCRATCH_BYTES = 128 << 20   # stored head scores of one launch; larger b
 
 
 def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
-                  sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES):
+                  sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES,
+                  **consts):
     """Shared launcher of the two scoring kernels (same arguments and modes). softmax, two passes over the
     sketch: pass 1 (per-program partial log-sum-exp per query head; torch combines them over programs), then
     pass 2: the sketch scored again. softmax with store_heads (dot kernel): the sketch scored once, every head's
@@ -289,7 +291,7 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
             qp[rows], sketch, scale, block_tables[rows], seq_lens[rows], lse, out[rows], y, sinks, recent, max_len,
             min(nblk, block_tables.shape[1]), qk_scale, qp.stride(0), qp.stride(1), qp.stride(2), sketch.stride(0),
             scale.stride(0), block_tables.stride(0), stride_lb, stride_lp, out.stride(0), out.stride(1), y.stride(0),
-            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, num_warps=num_warps)
+            HKV=Hkv, R=r, BS=bs, BPP=bpp, G=G, GP=gp, MODE=mode, SHARED=shared, num_warps=num_warps, **consts)
 
     if combine != "softmax":
         launch(slice(0, B), COMBINES.index(combine), out, 0, 0)
@@ -333,12 +335,36 @@ def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, r
 if triton is not None:
 
     @triton.jit
+    def _int4_to_fp16(packed, ASM: tl.constexpr):
+        """uint8 [..., R/2] (two int4 per byte, each stored as v + 8) -> (lo, hi) fp16 [..., R/2]: the values v of
+        the low and the high nibbles, exactly, without int-to-float conversions: 0x6400 | u is the fp16 1024 + u,
+        so minus 1032 gives u - 8 = v (in [-7, 7]: exact in fp16).
+        ASM (CUDA): per 4 bytes, the nibbles masked in place (and, shr + and), each pair of bytes moved under
+        0x64 high bytes by one prmt, 1032 subtracted two at a time: ~3 instructions per byte. The same
+        arithmetic in Triton ops widens every byte to 32 bits first: ~7 per byte, half of the softmax scoring
+        pass's instructions (ncu, H200 run 47: it issues at 64% of the SMs' peak, DRAM at 35%).
+        The interpreter cannot run PTX: it takes the Triton ops."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 a, b, c; and.b32 a, $4, 0x0F0F0F0F; shr.b32 b, $4, 4; and.b32 b, b, 0x0F0F0F0F; "
+                "mov.b32 c, 0x64086408; "
+                "prmt.b32 $0, a, 0x64646464, 0x4140; prmt.b32 $1, a, 0x64646464, 0x4342; "
+                "prmt.b32 $2, b, 0x64646464, 0x4140; prmt.b32 $3, b, 0x64646464, 0x4342; "
+                "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; sub.f16x2 $2, $2, c; sub.f16x2 $3, $3, c; }",
+                "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        p = packed.to(tl.int32)
+        lo = ((p & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+        hi = ((p >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+        return lo, hi
+
+    @triton.jit
     def _sketch_score_dot_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr, y_ptr,
                                  sinks, recent, max_len, num_blocks, qk_scale,
                                  stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
                                  stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
                                  HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
-                                 G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr):
+                                 G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
+                                 ASM: tl.constexpr = False):
         # One program per (sequence, BPP consecutive KV blocks) = TOK token rows. Per KV head h the
         # scores of its G query heads are a [TOK, R] @ [R, G] matmul on tensor cores, split by nibble:
         # lo [TOK, R/2] @ q_even [R/2, GP] + hi @ q_odd, G padded to GP >= 16 with zero query columns.
@@ -359,14 +385,11 @@ if triton is not None:
         run_m = tl.full((TOK,), float("-inf"), tl.float32)                       # MODE 3 SHARED: online lse
         run_l = tl.zeros((TOK,), tl.float32)
         for h in tl.static_range(HKV):
-            packed = tl.load(row_sk[:, None] + h * H2 + k[None, :], mask=valid[:, None], other=0).to(tl.int32)
-            # int4 -> fp16 without int-to-float conversions: 0x6400 | u is the fp16 1024 + u (exact), so
-            # minus 1032 gives u - 8 = v exactly (v in [-7, 7], exact in fp16). Tried and slower at 8 x 250K
-            # (softmax scoring pass, 199 us per layer with this code): int8 operands, the nibbles as they are with
-            # q quantised per head (225 us, H200 run 42: the pass is not bound by this arithmetic); every KV head
-            # in one [HKV, TOK, R/2] load and batched dot (289 us, run 43).
-            lo = ((packed & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-            hi = ((packed >> 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            packed = tl.load(row_sk[:, None] + h * H2 + k[None, :], mask=valid[:, None], other=0)
+            # Tried and slower at 8 x 250K (softmax scoring pass, 199 us per layer with the Triton-op unpacking):
+            # int8 operands, the nibbles as they are with q quantised per head (225 us, H200 run 42); every KV
+            # head in one [HKV, TOK, R/2] load and batched dot (289 us, run 43).
+            lo, hi = _int4_to_fp16(packed, ASM)
             # q in fp16: relative rounding error <= 2^-11 per element, so a score is off by at most
             # 2^-11 * sum_r |k_r q_r| (~1e-3 relative) -- far below the int4 sketch's own error, and only
             # reorders near-ties at the top-k boundary. Products are exact, accumulation is fp32.
@@ -375,7 +398,8 @@ if triton is not None:
             s = tl.dot(lo, qe, out_dtype=tl.float32)
             s = tl.dot(hi, qo, s)
             sc = tl.load(row_sc + h, mask=valid, other=0.0).to(tl.float32)
-            s = s * sc[:, None]                                                  # [TOK, GP]
+            if MODE != 4:
+                s = s * sc[:, None]                                              # [TOK, GP]
             if MODE == 0 or MODE == 1:
                 # padded columns: q = 0 -> s = 0, neutral for the sum; excluded from the max
                 hs = tl.sum(s, axis=1) if MODE == 0 else tl.max(tl.where(gmask[None, :], s, float("-inf")), axis=1)
@@ -394,7 +418,7 @@ if triton is not None:
                 # every head's score in log2 units, fp16, head-major (y [rows, HKV * G, max_len]); no reduction
                 # over the tile's rows here: those per-head column reductions made MODE 2 3x slower than MODE 0
                 # (H200 run 29: 490 vs 161 us per layer at 8 x 250K). fp16 holds |x| <= 65504 (clamped above).
-                x = tl.minimum(tl.where(valid[:, None], s * qk_scale, float("-inf")), 65000.0)
+                x = tl.minimum(tl.where(valid[:, None], s * (sc * qk_scale)[:, None], float("-inf")), 65000.0)
                 tl.store(y_ptr + b.to(tl.int64) * stride_yb + (h * G + gs[None, :]) * max_len + t[:, None],
                          x.to(tl.float16), mask=(t < max_len)[:, None] & gmask[None, :])
             else:
@@ -477,20 +501,24 @@ COMBINE_TOKENS = 1024   # tokens per _softmax_combine_kernel program (8 per thre
 def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                      shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 2,
                      num_warps: int = 4, two_pass: bool = False,
-                     scratch_bytes: int = SOFTMAX_SCRATCH_BYTES) -> torch.Tensor:
+                     scratch_bytes: int = SOFTMAX_SCRATCH_BYTES, unpack: str = "auto") -> torch.Tensor:
     """sketch_score on tensor cores (tl.dot, fp16 operands, fp32 accumulation); same meaning as
     sketch_score_ref up to q's fp16 rounding (see the kernel). Needs r % 32 == 0 (tl.dot: K = r/2 >= 16).
     softmax: the sketch scored once, head scores stored in fp16 for pass 2 (see _launch_score); two_pass=True:
     scored twice, nothing stored (the previous kernel, kept to measure against). bpp (blocks per program) and num_warps: swept on
-    an H200 by benchmarks/bench_sketch_score.py."""
+    an H200 by benchmarks/bench_sketch_score.py. unpack: how int4 becomes fp16 (_int4_to_fp16): "asm" (PTX, CUDA
+    only), "ops" (Triton ops), "auto" = asm on CUDA."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    if unpack not in ("auto", "asm", "ops"):
+        raise ValueError(f"unpack must be auto, asm or ops, got {unpack!r}")
     qp = _as_groups(qp).contiguous()
     assert qp.shape[-1] % 32 == 0, "tl.dot needs K = r/2 >= 16 (and a power of two)"
     gp = max(16, triton.next_power_of_2(qp.shape[2]))
     return _launch_score(_sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
                          max_len, shared, combine, sm_scale, bpp, num_warps, gp, store_heads=not two_pass,
-                         scratch_bytes=scratch_bytes)
+                         scratch_bytes=scratch_bytes,
+                         ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda and not _INTERPRETED))
 
 
 def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
