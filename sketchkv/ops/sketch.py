@@ -526,9 +526,9 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
                  kernel: str = "auto") -> torch.Tensor:
     """kernel: "fma" (CUDA-core dots), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
     take "fma": tl.dot needs r/2 >= 16) or "auto": the faster one measured on an H200 at 8 x 250K, one layer
-    of the 27B shape (runs 17, 29, 33, benchmarks/bench_sketch_score.py): fma for sum / max (120 us, 51% of the
-    copy bandwidth, vs 162), dot for softmax (387 us with stored head scores, 558 scoring twice, 1,101 on CUDA
-    cores: 24 per-head dots per token; 382 / 547 us replayed in CUDA graphs)."""
+    of the 27B shape (runs 17, 29, 33, 48, benchmarks/bench_sketch_score.py): fma for sum / max (119 us, 52% of
+    the copy bandwidth, vs 155), dot for softmax (244 us with stored head scores, 519 scoring twice, 1,101 on
+    CUDA cores: 24 per-head dots per token; 240 / 508 us replayed in CUDA graphs, run 48)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     if kernel not in KERNELS:
