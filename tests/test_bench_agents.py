@@ -226,10 +226,17 @@ def test_speculative_rows_measure_verification_steps(tmp_path):
     bench(["--model", "random:tiny-hybrid+mtp", "--agents", "2", "--contexts", "1K", "--configs", "sparse",
            "--fill", "random", "--tail", "256", "--num-speculative-tokens", "3", "--reference-accepted-length", "3.3",
            "--out-dir", str(tmp_path), "--name", "spec", *SMALL])
-    (x,) = json.load(open(tmp_path / "spec.json"))["rows"]
+    res = json.load(open(tmp_path / "spec.json"))
+    (x,) = res["rows"]
     assert x["status"] == "ok", x.get("reason")
     d, s = x["decode"], x["decode"]["speculative"]
     assert s["num_speculative_tokens"] == 3 and s["verifications"] >= 2 * d["steps"]   # every agent, every step
     assert 1.0 <= s["mean_accepted_length"] < 1.5                                       # random drafts
     assert s["projected_tok_s"] == pytest.approx(2 * 3.3 / (d["step_ms_mean"] / 1e3))
     assert "## Speculative decoding (MTP)" in (tmp_path / "spec.md").read_text()
+    # the arithmetic counts what speculation keeps per agent: the drafter's K/V ring (64 + 4,096 + 4 rows -> 66
+    # blocks of 64) and n more rows in the tier's recent ring, as the engine's accounting does
+    m = x["memory"]
+    assert m["gpu_bytes_per_agent"] == m["gpu_bytes_per_agent_arith"]
+    sh = res["shape"]
+    assert s["extra_gpu_bytes_per_agent"]["mtp_kv"] == 66 * 64 * 2 * sh["kv_heads"] * sh["head_dim"] * sh["itemsize"]

@@ -406,10 +406,12 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     else:
         gpu_agent = statistics.fmean(len(s.block_table) for s in seqs) * r.kv_bytes_per_block + r.state_bytes_per_seq
         host_agent = 0.0
-    arith = F.agent_bytes(shape, config, round(statistics.fmean(lens0)), sp.sink_tokens, sp.recent_tokens,
-                          sp.hot_fraction, sp.host_format,
+    tokens = round(statistics.fmean(lens0))
+    arith = F.agent_bytes(shape, config, tokens, sp.sink_tokens, sp.recent_tokens, sp.hot_fraction, sp.host_format,
                           hot_tokens=round(statistics.fmean(len(s.prompt_token_ids) for s in seqs)) + max_tokens,
-                          slot_bytes=r.tier.hot.map.element_size() if r.tier is not None else 4)
+                          slot_bytes=r.tier.hot.map.element_size() if r.tier is not None else 4,
+                          mtp_rows=F.mtp_kv_rows(tokens, r.num_spec, r.cfg.mtp_attention_window, r.block_size),
+                          num_speculative_tokens=r.num_spec)
     memory = {"gpu_bytes_per_agent": gpu_agent, "host_bytes_per_agent": host_agent,
               "gpu_bytes_per_agent_arith": arith["gpu"], "host_bytes_per_agent_arith": arith["host"],
               "tokens_per_agent": statistics.fmean(lens0)}
@@ -534,10 +536,13 @@ def run_hf_point(hf, n: int, L: int, args, stream, shape, bw: dict, vocab: int, 
 # ----------------------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------------------
-def capacity(shape, config: str, L: int, extra: int, budget: dict, sp) -> dict:
+def capacity(shape, config: str, L: int, extra: int, budget: dict, sp, cfg=None) -> dict:
+    """cfg: the run's EngineConfig (speculation: the drafter's K/V; transformers runs without it)."""
     from sketchkv.bench import floor as F
+    n = cfg.num_speculative_tokens if cfg is not None and config != "hf" else 0
+    mtp = F.mtp_kv_rows(L + extra, n, cfg.mtp_attention_window, shape.block_size) if n else 0
     per = F.agent_bytes(shape, "hf" if config == "hf" else config, L + extra, sp.sink_tokens, sp.recent_tokens,
-                        sp.hot_fraction, sp.host_format)
+                        sp.hot_fraction, sp.host_format, mtp_rows=mtp, num_speculative_tokens=n)
     if config == "hf":  # one forward over N x L tokens: its activations scale with the agents
         per = dict(per, gpu=per["gpu"] + F.activation_estimate(shape, L))
     return {"per_agent_gpu": per["gpu"], "per_agent_host": per["host"],
@@ -575,7 +580,7 @@ def run(args, name: str, write: bool = True) -> dict:
     for cfgname in args.configs:
         for L in contexts:
             ex = turn1_max_tokens(args, 8, L, chunk) + extra_fu  # turn-1 growth (a typical N) + the follow-up
-            caps[(cfgname, L)] = capacity(shape, cfgname, L, ex, budget, sp)
+            caps[(cfgname, L)] = capacity(shape, cfgname, L, ex, budget, sp, cfg0)
     info = C.run_info(args.model, base)
     argv = sys.argv[sys.argv.index("agents") + 1:] if "agents" in sys.argv else []
     argv = argv_without(argv, ("--data-parallel",))   # a replica's rows: one engine, one GPU

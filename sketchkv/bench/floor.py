@@ -186,16 +186,20 @@ def pcie_bandwidth(device: torch.device, gib: float) -> float | None:
 # Memory per agent and capacity (arithmetic before building an engine)
 # ----------------------------------------------------------------------------------------------------------
 def agent_bytes(shape: Shape, config: str, tokens: int, sinks: int = 0, recent: int = 0, hot_fraction: float = 0.0,
-                host_format: str = "int4", hot_tokens: int | None = None, slot_bytes: int = 4) -> dict:
+                host_format: str = "int4", hot_tokens: int | None = None, slot_bytes: int = 4,
+                mtp_rows: int = 0, num_speculative_tokens: int = 0) -> dict:
     """GPU and host bytes one agent of `tokens` tokens holds. config: sparse (sparse decode + host tier),
     dense (sketchkv paged KV), hf (transformers' cache: K/V of every token + GDN state). slot_bytes: the hot
-    buffer's map entry per host token and layer (2 while the whole pool has <= 32767 rows, else 4)."""
+    buffer's map entry per host token and layer (2 while the whole pool has <= 32767 rows, else 4). mtp_rows:
+    K/V rows of the MTP drafter's one attention layer with speculation on (`mtp_kv_rows`); with n drafts the
+    tier's recent ring holds n more rows (a verification row reads its own last R tokens)."""
     bs = shape.block_size
     padded = -(-tokens // bs) * bs
     if config == "sparse":
         hot = max(64, math.ceil(hot_fraction * (hot_tokens if hot_tokens is not None else tokens)))
         gpu = {"sketch": padded * shape.sketch_per_token, "slot_map": slot_bytes * shape.attn_layers * padded,
-               "resident": (sinks + max(recent, 1)) * shape.kv_per_token, "hot": hot * shape.hot_row(host_format),
+               "resident": (sinks + max(recent, 1) + num_speculative_tokens) * shape.kv_per_token,
+               "hot": hot * shape.hot_row(host_format),
                "gdn_state": shape.gdn_state}
         host = padded * shape.host_per_token(host_format)
     elif config == "dense":
@@ -204,7 +208,18 @@ def agent_bytes(shape: Shape, config: str, tokens: int, sinks: int = 0, recent: 
     else:
         gpu = {"kv": tokens * shape.kv_per_token, "gdn_state": shape.gdn_state}
         host = 0
+    if mtp_rows:
+        gpu["mtp_kv"] = mtp_rows * shape.kv_per_token // shape.attn_layers
     return {"gpu": sum(gpu.values()), "gpu_parts": gpu, "host": host}
+
+
+def mtp_kv_rows(tokens: int, num_speculative_tokens: int, window: int, block_size: int) -> int:
+    """The drafter's K/V rows per agent: none without speculation, its ring with the windowed drafter
+    (window > 0), every token with the dense one."""
+    from sketchkv.layers.windowed_attention import MTP_WINDOW_SINKS, ring_width
+    if not num_speculative_tokens:
+        return 0
+    return ring_width(MTP_WINDOW_SINKS, window, num_speculative_tokens, block_size) if window > 0 else tokens
 
 
 def activation_estimate(shape: Shape, tokens: int) -> int:

@@ -17,7 +17,7 @@ from sketchkv.layers.sampler import SampleOutput, sample
 from sketchkv.kv.state_cache import StateCache
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.layers.tiered_attention import TieredAttention, TieredIndexedAttention, TieredKV
-from sketchkv.layers.windowed_attention import WindowedAttention
+from sketchkv.layers.windowed_attention import MTP_WINDOW_SINKS, WindowedAttention
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.ops import prefill_attention, sketch as sketch_ops
 from sketchkv.parallel.comm import agree_min
@@ -27,7 +27,6 @@ logger = logging.getLogger("sketchkv")
 # Speculative verification graphs hold bucket x (1 + drafts) rows; above this many rows per step the
 # verification runs eagerly (its per-row selection scratch over max_model_len grows with the rows).
 VERIFY_GRAPH_MAX_ROWS = 128
-MTP_WINDOW_SINKS = 64   # first tokens a windowed MTP drafter always attends (EngineConfig.mtp_attention_window)
 
 
 def capture_graph(fn, pool):

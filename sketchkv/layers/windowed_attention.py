@@ -31,11 +31,19 @@ from sketchkv.ops.selection import compose_selection
 from sketchkv.ops.sparse_attention import sparse_attention
 
 
+MTP_WINDOW_SINKS = 64   # first tokens a windowed MTP drafter always attends (EngineConfig.mtp_attention_window)
+
+
+def ring_width(sinks: int, window: int, num_drafts: int, block_size: int) -> int:
+    """Rows one state slot's ring holds (sinks included): sinks + W + n + 1, rounded up to blocks."""
+    return -(-(sinks + window + num_drafts + 1) // block_size) * block_size
+
+
 class WindowedAttention(Attention):
     def __init__(self, dense: Attention, sinks: int, window: int, num_drafts: int, block_size: int):
         super().__init__(dense.num_heads, dense.num_kv_heads, dense.head_dim, dense.scale)
         self.sinks, self.window, self.block_size = sinks, window, block_size
-        self.width = -(-(sinks + window + num_drafts + 1) // block_size) * block_size
+        self.width = ring_width(sinks, window, num_drafts, block_size)
         self.ring = self.width - sinks
         self.prefill_backend = dense.prefill_backend
 
