@@ -131,6 +131,45 @@ def test_tier_follow_up_turn_reuses_prefix(ckpt_with_basis):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("tier", [False, True])
+def test_chunk_prefill_selection_with_topk_ge_context_is_dense_prefill(ckpt_with_basis, tier):
+    """prefill_selection=chunk: with top_k >= the prefix a chunk picks every prefix token, in order, so chunked
+    prefill (32-token chunks) gives bitwise the dense prefill's log-probabilities, paged or over the tier."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    prompts = [_prompt(200, 30), _prompt(90, 31)]
+    outs = [_llm(ckpt_with_basis, tier, sparse_top_k=4096, sparse_prefill_selection=sel, max_num_batched_tokens=32,
+                 enable_prefix_caching=False).generate(prompt_token_ids=prompts, sampling_params=sp)
+            for sel in ("dense", "chunk")]
+    for d, c in zip(*outs):
+        assert d.token_ids == c.token_ids and d.logprobs == c.logprobs
+
+
+def test_chunk_prefill_selection_moves_only_picked_rows_for_a_follow_up(ckpt_with_basis):
+    """A follow-up turn over a prefix in the host tier: dense prefill reads the whole prefix back from the host
+    rows (each layer); with prefill_selection=chunk its prompt chunk reads only the sinks, its top-k picks and the
+    recent tokens (4 + 16 + 8 rows per layer here), and the turn still answers close to the dense prefill's.
+    (336 tokens: one chunk over the 288 cached; either way the new sequence's sinks + recent ring, 4 + 8 rows,
+    are filled from the host first.)"""
+    first = _prompt(300, 32)
+    follow = first + _prompt(36, 33)
+    sp, one = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), SamplingParams(temperature=0, max_tokens=1,
+                                                                                           logprobs=0)
+    read, logprobs = {}, {}
+    for sel in ("dense", "chunk"):
+        llm = _llm(ckpt_with_basis, True, sparse_prefill_selection=sel)
+        llm.generate(prompt_token_ids=[first], sampling_params=sp)
+        before = llm.tier_stats().pcie_read_bytes
+        out = llm.generate(prompt_token_ids=[follow], sampling_params=one)[0]   # prefill only: no decode step
+        cached = out.num_cached_tokens
+        assert cached == 288
+        tier = llm.engine.runner.tier
+        read[sel] = (llm.tier_stats().pcie_read_bytes - before) / (tier.L * tier.store.row_bytes)
+        logprobs[sel] = out.logprobs[0]
+    assert read["dense"] == 4 + 8 + 288
+    assert read["chunk"] == 4 + 8 + (4 + 16 + 8)
+    assert abs(logprobs["dense"] - logprobs["chunk"]) < 0.5
+
+
 def test_tier_refuses_over_budget_others_unaffected(ckpt_with_basis):
     """Host budget of ~40 blocks and a GPU budget for ~2 small partitions: a request that can never
     fit is refused at once with one clear line; the requests in flight finish as they would alone."""
@@ -225,6 +264,10 @@ def test_tier_config_errors(ckpt_with_basis):
         LLM(ckpt_with_basis, device="cpu", sparse_host_tier=True)
     with pytest.raises(RequestError, match="shared_selection"):
         _llm(ckpt_with_basis, True, sparse_shared_selection=False)
+    with pytest.raises(RequestError, match="sparse_prefill_selection must be dense or chunk"):
+        _llm(ckpt_with_basis, False, sparse_prefill_selection="sparse")
+    with pytest.raises(RequestError, match="sparse_prefill_selection=chunk needs sparse_shared_selection"):
+        _llm(ckpt_with_basis, False, sparse_prefill_selection="chunk", sparse_shared_selection=False)
     with pytest.raises(CapacityError, match="holds no KV block"):
         _llm(ckpt_with_basis, True, sparse_host_budget_gb=1e-9)
     with pytest.raises(CapacityError, match="below the host tier's fixed part"):

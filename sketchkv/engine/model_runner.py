@@ -62,6 +62,10 @@ class ModelRunner:
             raise RequestError(f"sparse_head_combine must be sum, max or softmax, got {sp.head_combine!r}")
         if sp.selector not in ("sketch", "exact"):
             raise RequestError(f"sparse_selector must be sketch or exact, got {sp.selector!r}")
+        if sp.prefill_selection not in ("dense", "chunk"):
+            raise RequestError(f"sparse_prefill_selection must be dense or chunk, got {sp.prefill_selection!r}")
+        if sp.prefill_selection == "chunk" and not sp.shared_selection:
+            raise RequestError("sparse_prefill_selection=chunk needs sparse_shared_selection=True (one pick set per chunk)")
         if sp.verify_selection not in ("per_row", "shared"):
             raise RequestError(f"sparse_verify_selection must be per_row or shared, got {sp.verify_selection!r}")
         if cfg.mtp_attention_window < 0:

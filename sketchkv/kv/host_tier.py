@@ -28,11 +28,11 @@ Prefill: a chunk whose sequence has cached tokens (chunked prefill, prefix-cache
 tokens back from the host tier into a transient GPU buffer (one layer at a time), i.e. attends over
 host-format K/V for the earlier part (exact with bf16 rows and a bf16 model). A sequence that
 starts from a shared prefix gets its sinks and recent ring filled from the host rows (at most S + R
-rows per layer). Its decode steps then move only picked rows, but the follow-up's own prompt chunk
-still reads the whole prefix once (dense prefill): 4.35 GB over PCIe at 250K for the 27B shape, ~0.7 s
-of follow-up TTFT alone, and concurrent follow-ups queue behind each other (H200 run 45: 14 at once,
-10.1 s mean). Issue 5 asks for picked rows only here too: a sparse prefill over the tier (one selection
-per chunk) is not built.
+rows per layer). Its decode steps then move only picked rows, but with the default dense prefill the
+follow-up's own prompt chunk still reads the whole prefix once: 4.35 GB over PCIe at 250K for the 27B
+shape, ~0.7 s of follow-up TTFT alone, and concurrent follow-ups queue behind each other (H200 run 45:
+14 at once, 10.1 s mean). With sparse prefill_selection=chunk a chunk reads only the rows one selection
+per chunk and layer picked (`read_rows`: sinks + top-k + recent, ~3K rows instead of 250K).
 
 Budgets: host_budget_gb sizes the store (hence the number of KV blocks); gpu_budget_gb covers the
 selector state (sketches | QSA block keys) of all host blocks, the slot map, the resident rows of
@@ -194,9 +194,12 @@ class HostTier:
 
     def read_prefix(self, layer: int, block_table: torch.Tensor, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of tokens 0..n-1 of one sequence, read back from the host rows: [n, Hkv, D] each."""
-        dev = self.res_k.device
-        slots = positions_to_slots(block_table[None], torch.arange(n, device=dev)[None], self.block_size)[0]
-        k = torch.empty(n, self.Hkv, self.D, dtype=dtype, device=dev)
+        return self.read_rows(layer, block_table, torch.arange(n, device=self.res_k.device), dtype)
+
+    def read_rows(self, layer: int, block_table: torch.Tensor, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of one sequence's tokens at positions `pos` [N], read from the host rows: [N, Hkv, D] each."""
+        slots = positions_to_slots(block_table[None], pos[None], self.block_size)[0]
+        k = torch.empty(pos.shape[0], self.Hkv, self.D, dtype=dtype, device=self.res_k.device)
         v = torch.empty_like(k)
         self.store.gather(layer, slots, k, v)
         return k, v

@@ -6,8 +6,13 @@ softmax over the candidates, i.e. estimated attention mass, which scores every q
 seed's sum of raw scores, one dot per KV head with the summed query group), take the top k
 (deterministic), add the first `sink_tokens` and the last
 `recent_tokens`, and run exact softmax attention over exactly those rows. Prefill stays dense
-(and writes the sketches). A sequence whose context fits in sinks + top_k + recent selects all of
-its tokens, so the sparse path then gives the dense result.
+(and writes the sketches), except with `prefill_selection=chunk`: a prompt chunk over a cached prefix
+longer than the dense threshold selects once for the whole chunk (up to CHUNK_SELECT_ROWS of its rows'
+queries, evenly spaced and the last one included, scored as extra query heads of one row: with the softmax
+combine a token scores by the attention mass those rows would give it) and attends the sinks, those picks,
+the recent tokens before the chunk and the chunk itself (causal); only those prefix rows are read (over
+the host tier: picked rows instead of the whole prefix). A sequence whose context fits in sinks + top_k +
+recent selects all of its tokens, so the sparse path then gives the dense result.
 """
 import torch
 
@@ -16,9 +21,12 @@ from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
 from sketchkv.ops.selection import SENTINEL, compose_selection
 from sketchkv.ops.sketch import exact_key_scores, sketch_keys_ref, sketch_score, sketch_write
+from sketchkv.ops.prefill_attention import prefix_causal_attention
 from sketchkv.ops.sparse_attention import sparse_attention
 from sketchkv.ops.topk import topk_positions
 from sketchkv.parallel.comm import reduce_selection_scores
+
+CHUNK_SELECT_ROWS = 16   # prefill_selection=chunk: rows of a prompt chunk whose queries choose its picks
 
 
 class SparseAttention(Attention):
@@ -61,10 +69,14 @@ class SparseAttention(Attention):
 
     def pick(self, q, block_tables, seq_lens, max_len: int) -> torch.Tensor:
         """The top-k positions by the selector's scores (sinks and recent excluded): [B, Hsel, k]."""
-        c = self.cfg
         B = q.shape[0]
         G = self.num_heads // self.num_kv_heads
-        qg = q.float().view(B, self.num_kv_heads, G, self.head_dim)
+        return self.pick_grouped(q.float().view(B, self.num_kv_heads, G, self.head_dim), block_tables, seq_lens,
+                                 max_len)
+
+    def pick_grouped(self, qg, block_tables, seq_lens, max_len: int) -> torch.Tensor:
+        """pick for queries grouped by KV head, [B, Hkv, G, D] (G: any number of query vectors per KV head)."""
+        c = self.cfg
         if c.head_combine == "sum":  # scores are linear in q: one dot per KV head with the group sum
             qg = qg.sum(2, keepdim=True)
         if c.selector == "exact":  # the oracle: full keys instead of the sketch (evaluation)
@@ -78,6 +90,35 @@ class SparseAttention(Attention):
         if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
             scores = reduce_selection_scores(scores, c.head_combine)
         return topk_positions(scores, min(c.top_k, max_len), SENTINEL)
+
+    # ---- prefill_selection=chunk ------------------------------------------------------------------------
+    def prefill(self, q, k, v, block_table, cached: int, rows: slice) -> torch.Tensor:
+        if self.cfg.prefill_selection != "chunk" or cached <= self.dense_threshold:
+            return super().prefill(q, k, v, block_table, cached, rows)
+        pos = self.chunk_selection(q, block_table, cached)
+        kp, vp = self.prefix_rows(block_table, pos, k.dtype)
+        return prefix_causal_attention(q, torch.cat([kp, k]).to(q.dtype), torch.cat([vp, v]).to(q.dtype), self.scale,
+                                       self.prefill_backend)
+
+    def chunk_selection(self, q, block_table, cached: int) -> torch.Tensor:
+        """Positions (ascending, all < cached) a prompt chunk attends in its prefix: sinks, the top-k picks of
+        up to CHUNK_SELECT_ROWS of its rows' queries taken as query heads of one row, the recent tokens."""
+        c, n = self.cfg, q.shape[0]
+        G = self.num_heads // self.num_kv_heads
+        rows = torch.linspace(0, n - 1, min(n, CHUNK_SELECT_ROWS), device=q.device).round().long()
+        qg = q[rows].float().view(-1, self.num_kv_heads, G, self.head_dim).transpose(0, 1)
+        qg = qg.reshape(1, self.num_kv_heads, -1, self.head_dim)                  # [1, Hkv, rows x G, D]
+        bs = self.sketch.shape[1]
+        tables, lens = block_table[None], torch.tensor([cached], dtype=torch.int32, device=q.device)
+        picks = self.pick_grouped(qg, tables, lens, -(-cached // bs) * bs)
+        idx, counts = compose_selection(picks[:, :1], lens, lens, c.sink_tokens, c.recent_tokens)
+        return idx[0, 0, :int(counts[0])].long()
+
+    def prefix_rows(self, block_table, pos, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the sequence's tokens at `pos`, [N, Hkv, D] each (from the paged cache; the host tier reads its rows)."""
+        bs = self.k_cache.shape[1]
+        blk = block_table.long()[pos // bs]
+        return self.k_cache[blk, pos % bs].to(dtype), self.v_cache[blk, pos % bs].to(dtype)
 
     verify_extra = 0  # drafts per verification step, with verify_selection=shared (set by the model runner)
 

@@ -19,7 +19,8 @@ shapes and no host sync: CUDA-graph capturable. In a speculative verification st
 sequence (its token and its drafts) selects and reads for its own position; with one selection per
 sequence (sparse verify_selection=shared) the sequence's rows are read once, for all of them.
 
-Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier.
+Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier (or, with
+prefill_selection=chunk, over the rows one selection per chunk picked: only those are read).
 """
 import torch
 
@@ -42,6 +43,10 @@ class TieredKV:
     def context_kv(self, block_table, cached: int, k, v):
         kp, vp = self.tier.read_prefix(self.layer, block_table, cached, k.dtype)
         return torch.cat([kp, k]), torch.cat([vp, v])
+
+    def prefix_rows(self, block_table, pos, dtype):
+        """prefill_selection=chunk: only the chosen prefix rows, read from the host tier."""
+        return self.tier.read_rows(self.layer, block_table, pos, dtype)
 
     def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:
         ctx = get_context()
