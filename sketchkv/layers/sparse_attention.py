@@ -111,7 +111,7 @@ class SparseAttention(Attention):
         bs = self.sketch.shape[1]
         tables, lens = block_table[None], torch.tensor([cached], dtype=torch.int32, device=q.device)
         picks = self.pick_grouped(qg, tables, lens, -(-cached // bs) * bs)
-        idx, counts = compose_selection(picks[:, :1], lens, lens, c.sink_tokens, c.recent_tokens)
+        idx, counts = compose_selection(picks, lens, lens, c.sink_tokens, c.recent_tokens)   # one set: shared selection
         return idx[0, 0, :int(counts[0])].long()
 
     def prefix_rows(self, block_table, pos, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,7 +91,6 @@ if triton is not None:
 
 
 COMBINES = ("sum", "max", "softmax")
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # Triton chose the interpreter at import
 KERNELS = ("auto", "fma", "dot")   # sketch_score(kernel=...)
 
 
@@ -518,7 +517,9 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
     return _launch_score(_sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
                          max_len, shared, combine, sm_scale, bpp, num_warps, gp, store_heads=not two_pass,
                          scratch_bytes=scratch_bytes,
-                         ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda and not _INTERPRETED))
+                         # auto: PTX unless Triton chose its interpreter for the kernel at import
+                         ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda
+                                                 and isinstance(_sketch_score_dot_kernel, triton.runtime.JITFunction)))
 
 
 def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
