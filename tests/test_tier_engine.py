@@ -479,6 +479,40 @@ def test_gpu_tier_engine_matches_tier_off(gpu_ckpt):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("tier", [False, True])
+def test_gpu_chunk_prefill_selection(gpu_ckpt, tier):
+    """prefill_selection=chunk on the GPU (tensor-core scoring of 16 rows x G query heads, pinned host rows
+    read by the zero-copy gather, cuDNN prefill attention): with top_k >= the prefix, chunked prefill gives the
+    dense prefill's log-probabilities up to rounding (bf16 model: the picks come out in order, only the
+    kernels' split differs); with the default-sized top_k a follow-up turn stays close to the dense prefill's."""
+    import gc
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5000, 2600)]
+    follow = [p + torch.randint(3, 500, (300,), generator=g).tolist() for p in prompts]
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    opts = {**GPU_OPTS, "max_num_batched_tokens": 512, **(dict(sparse_host_tier=True, sparse_host_format="bf16")
+                                                             if tier else {})}
+    res = {}
+    for top_k, sel in ((8192, "dense"), (8192, "chunk"), (256, "chunk")):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(gpu_ckpt, **{**opts, "sparse_top_k": top_k}, sparse_prefill_selection=sel)
+        first = [o.logprobs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=one)]
+        before = llm.tier_stats().pcie_read_bytes if tier else 0
+        outs = llm.generate(prompt_token_ids=follow, sampling_params=one)
+        assert all(o.num_cached_tokens >= len(p) - 512 for o, p in zip(outs, prompts))
+        res[(top_k, sel)] = (first, [o.logprobs[0] for o in outs],
+                             llm.tier_stats().pcie_read_bytes - before if tier else 0)
+        del llm
+    dense, full, small = res[(8192, "dense")], res[(8192, "chunk")], res[(256, "chunk")]
+    assert max(abs(a - b) for a, b in zip(dense[0] + dense[1], full[0] + full[1])) < 5e-2, res
+    assert max(abs(a - b) for a, b in zip(dense[1], small[1])) < 1.0, res
+    if tier:   # the follow-up's chunk reads its picks, not the whole prefix
+        assert small[2] < dense[2] / 4, res
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 def test_gpu_tier_decode_step_no_host_sync(gpu_ckpt, kernel):
     """One eager tiered decode forward (write, select, gather, attention, admit) with sync debug = error."""
