@@ -179,7 +179,8 @@ def test_interp_sketch_score_dot_kernel_matches_reference(shared, combine):
     lens, max_len, sm = [1, 37, 129], 141, 0.2   # 141: the last tile's stores are masked
     for r in (32, 64):
         packed, scale, tables, seq_lens = _paged_sketch(lens, Hkv=4, r=r, bs=16, seed=r)
-        for G, (sinks, recent) in zip((1, 3, 6), ((4, 16), (0, 0), (20, 3))):
+        # G = 40: more heads than the combine kernel unrolls (a prompt chunk's selection: 16 rows x G queries)
+        for G, (sinks, recent) in zip((1, 3, 6, 40), ((4, 16), (0, 0), (20, 3), (2, 5))):
             q = torch.randn(3, 4, G, r) * 3
             q = q[:, :, 0] if G == 1 else q                  # G = 1 also as the [B, Hkv, r] group sum
             geo = (tables, seq_lens, sinks, recent, max_len)
@@ -196,6 +197,26 @@ def test_interp_sketch_score_dot_kernel_matches_reference(shared, combine):
                     assert torch.equal(one, out)
                     two = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, two_pass=True)
                     assert ((two - ref)[fin].abs() <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all()
+
+
+def test_softmax_combine_compiles_for_a_chunk_selection():
+    """A prompt chunk's selection combines 16 rows x 6 query heads per KV head (the 27B shape). Compiled for an
+    H200 on this machine (tests/triton_compile_check.py's fake device): the kernel loops over those 384 heads
+    instead of unrolling them: unrolled, its IR had ~5,000 lines, took 6 minutes to compile here and made
+    Triton's coalesce pass fail on the GPU (H200 run 51)."""
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    code = ("import sys, torch; sys.path.insert(0, 'tests'); from triton_compile_check import _FakeCudaDriver; "
+            "from triton.runtime import driver; driver.set_active(_FakeCudaDriver()); "
+            "from sketchkv.ops.sketch import _softmax_combine_kernel as K; t = lambda d: torch.empty(64, dtype=d); "
+            "print(*(len(K.warmup(t(torch.float16), t(torch.float32), t(torch.float32), 16, 16, 16, 16, grid=(1,), "
+            "HKV=4, G=96, TOK=1024, SHARED=s, num_warps=4).asm['ttir'].splitlines()) for s in (True, False)))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert all(int(n) < 500 for n in r.stdout.split()), r.stdout
 
 
 def _as_heads(q):

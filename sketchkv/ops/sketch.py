@@ -479,17 +479,31 @@ if triton is not None:
         tm = t < max_len
         row = y_ptr + b.to(tl.int64) * stride_yb + t
         LN2: tl.constexpr = 0.6931471805599453
+        # Heads unrolled up to 32 (decode: 24); more (a prompt chunk's selection scores 16 rows x G
+        # queries per KV head: 384 at the 27B shape) loop at run time: unrolled, Triton's coalesce pass fails
+        # on the IR after minutes (H200 run 51).
         N: tl.constexpr = HKV * G if SHARED else G
         for h in tl.static_range(1 if SHARED else HKV):
+            lse_h = lse_ptr + b * HKV * G + h * G
             m = tl.full((TOK,), float("-inf"), tl.float32)
-            for j in tl.static_range(N):
-                z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
-                m = tl.maximum(m, z - tl.load(lse_ptr + b * HKV * G + h * G + j))
+            if N <= 32:
+                for j in tl.static_range(N):
+                    z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
+                    m = tl.maximum(m, z - tl.load(lse_h + j))
+            else:
+                for j in range(N):
+                    z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
+                    m = tl.maximum(m, z - tl.load(lse_h + j))
             m = tl.where(m == float("-inf"), 0.0, m)
             acc = tl.zeros((TOK,), tl.float32)
-            for j in tl.static_range(N):
-                z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
-                acc += tl.exp2(z - tl.load(lse_ptr + b * HKV * G + h * G + j) - m)
+            if N <= 32:
+                for j in tl.static_range(N):
+                    z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
+                    acc += tl.exp2(z - tl.load(lse_h + j) - m)
+            else:
+                for j in range(N):
+                    z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
+                    acc += tl.exp2(z - tl.load(lse_h + j) - m)
             tl.store(out_ptr + b * stride_ob + h * stride_oh + t, (m + tl.log2(acc)) * LN2, mask=tm)
 
 
