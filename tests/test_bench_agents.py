@@ -152,6 +152,14 @@ def test_random_fill_then_merge(report, tmp_path):
     assert [y for y in m["rows"] if y["config"] == "sparse" and y["agents"] == 1 and y["context"] == 2048][0][
         "prefill"]["mode"] == "random"
     assert "merged from" in (tmp_path / "merged.md").read_text()
+    # the same point with another engine knob: a row of its own
+    bench(["--agents", "1", "--contexts", "2K", "--configs", "sparse", "--fill", "random", "--tail", "256",
+           "--sparse-prefill-selection", "chunk", "--out-dir", str(tmp_path), "--name", "chunk", *SMALL])
+    assert cli_main(["bench", "agents", "--from-json", str(tmp_path / "merged.json"), str(tmp_path / "chunk.json"),
+                     "--out-dir", str(tmp_path), "--name", "merged2", "--quiet"]) == 0
+    m2 = json.load(open(tmp_path / "merged2.json"))
+    assert len(m2["rows"]) == 9
+    assert sum("--sparse-prefill-selection chunk" in y["command"] for y in m2["rows"]) == 1
 
 
 def test_max_agents_all_decode(tmp_path):

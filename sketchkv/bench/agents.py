@@ -721,6 +721,14 @@ def goals(rows: list[dict], dp_rows: list[dict] = ()) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------------
 # Outputs
 # ----------------------------------------------------------------------------------------------------------
+def engine_knobs(command: str) -> tuple:
+    """The engine flags (sparse and speculative knobs) of a point's command: two rows of the same point
+    measured with different knobs are different rows of a merged report."""
+    flags = {"--" + k.replace("_", "-") for k in SPARSE_KNOBS + SPEC_KNOBS}
+    argv = shlex.split(command)
+    return tuple((a, b) for a, b in zip(argv, argv[1:] + [""]) if a.split("=")[0] in flags)
+
+
 def merge(paths: list[str], out_dir: str, name: str) -> dict:
     import json
     from sketchkv.errors import SketchKVError
@@ -732,11 +740,12 @@ def merge(paths: list[str], out_dir: str, name: str) -> dict:
             parts.append(json.load(f))
     merged = dict(parts[0])
     merged.pop("partial", None)
-    rows = {}  # a point measured twice: the later file's row
+    rows = {}  # a point measured twice with the same engine knobs: the later file's row
     for part in parts:
         for row in part["rows"]:
-            rows.pop((row["config"], row["agents"], row["context"]), None)
-            rows[(row["config"], row["agents"], row["context"])] = row
+            key = (row["config"], row["agents"], row["context"], engine_knobs(row.get("command", "")))
+            rows.pop(key, None)
+            rows[key] = row
     merged["rows"] = list(rows.values())
     dp = {}  # data-parallel points likewise, keyed by their replica count too
     for part in parts:
