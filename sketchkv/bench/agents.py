@@ -755,7 +755,8 @@ def merge(paths: list[str], out_dir: str, name: str) -> dict:
             dp[key] = row
     merged["dp_rows"] = list(dp.values())
     DP.add_ratios(merged["dp_rows"], merged["rows"])
-    merged["capacity"] = [c for part in parts for c in part.get("capacity", [])]
+    merged["capacity"] = list({(c["config"], c["context"]): c for part in parts   # the later file's arithmetic
+                               for c in part.get("capacity", [])}.values())
     merged["sources"] = [{"file": p, "command": part["info"]["command"], "date": part["info"]["date"],
                           "device": part["info"]["device"], "bandwidth": part.get("bandwidth")}
                          for p, part in zip(paths, parts)]
