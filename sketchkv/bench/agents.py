@@ -726,7 +726,7 @@ def engine_knobs(command: str) -> tuple:
     measured with different knobs are different rows of a merged report."""
     flags = {"--" + k.replace("_", "-") for k in SPARSE_KNOBS + SPEC_KNOBS}
     argv = shlex.split(command)
-    return tuple((a, b) for a, b in zip(argv, argv[1:] + [""]) if a.split("=")[0] in flags)
+    return tuple((a, "" if "=" in a else b) for a, b in zip(argv, argv[1:] + [""]) if a.split("=")[0] in flags)
 
 
 def merge(paths: list[str], out_dir: str, name: str) -> dict:

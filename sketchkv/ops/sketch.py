@@ -467,6 +467,11 @@ if triton is not None:
         tl.store(lse_ptr + i, tl.where(tot > 0, m + tl.log2(tot), 0.0))
 
     @triton.jit
+    def _head_log_mass(row, lse_b, j, max_len, tm):
+        # head j's stored scores for this program's tokens minus the head's total (log2 units)
+        return tl.load(row + j * max_len, mask=tm, other=float("-inf")).to(tl.float32) - tl.load(lse_b + j)
+
+    @triton.jit
     def _softmax_combine_kernel(y_ptr, lse_ptr, out_ptr, max_len, stride_yb, stride_ob, stride_oh,
                                 HKV: tl.constexpr, G: tl.constexpr, TOK: tl.constexpr, SHARED: tl.constexpr):
         # softmax pass 2 over the stored scores y [rows, Hq, max_len] (log2 units) and each head's total
@@ -483,27 +488,23 @@ if triton is not None:
         # queries per KV head: 384 at the 27B shape) loop at run time: unrolled, Triton's coalesce pass fails
         # on the IR after minutes (H200 run 51).
         N: tl.constexpr = HKV * G if SHARED else G
+        lse_b = lse_ptr + b * HKV * G
         for h in tl.static_range(1 if SHARED else HKV):
-            lse_h = lse_ptr + b * HKV * G + h * G
             m = tl.full((TOK,), float("-inf"), tl.float32)
             if N <= 32:
                 for j in tl.static_range(N):
-                    z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
-                    m = tl.maximum(m, z - tl.load(lse_h + j))
+                    m = tl.maximum(m, _head_log_mass(row, lse_b, h * G + j, max_len, tm))
             else:
                 for j in range(N):
-                    z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
-                    m = tl.maximum(m, z - tl.load(lse_h + j))
+                    m = tl.maximum(m, _head_log_mass(row, lse_b, h * G + j, max_len, tm))
             m = tl.where(m == float("-inf"), 0.0, m)
             acc = tl.zeros((TOK,), tl.float32)
             if N <= 32:
                 for j in tl.static_range(N):
-                    z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
-                    acc += tl.exp2(z - tl.load(lse_h + j) - m)
+                    acc += tl.exp2(_head_log_mass(row, lse_b, h * G + j, max_len, tm) - m)
             else:
                 for j in range(N):
-                    z = tl.load(row + (h * G + j) * max_len, mask=tm, other=float("-inf")).to(tl.float32)
-                    acc += tl.exp2(z - tl.load(lse_h + j) - m)
+                    acc += tl.exp2(_head_log_mass(row, lse_b, h * G + j, max_len, tm) - m)
             tl.store(out_ptr + b * stride_ob + h * stride_oh + t, (m + tl.log2(acc)) * LN2, mask=tm)
 
 
