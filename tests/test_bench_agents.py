@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sketchkv.bench.agents import argv_without, parse_agents, parse_tokens, point_command
+from sketchkv.bench.agents import argv_without, goals, parse_agents, parse_tokens, point_command
 from sketchkv.cli import build_parser
 from sketchkv.cli import main as cli_main
 from sketchkv.config import default_model
@@ -248,3 +248,14 @@ def test_speculative_rows_measure_verification_steps(tmp_path):
     assert m["gpu_bytes_per_agent"] == m["gpu_bytes_per_agent_arith"]
     sh = res["shape"]
     assert s["extra_gpu_bytes_per_agent"]["mtp_kv"] == 66 * 64 * 2 * sh["kv_heads"] * sh["head_dim"] * sh["itemsize"]
+
+
+def test_goal_rows_name_the_engine_knobs_of_their_point():
+    """A merged report holding a point twice (default knobs and another prefill selection) tells the goal rows apart."""
+    row = dict(status="ok", config="sparse", agents=1, context=249856, prefill={"mode": "real", "tok_s": 5679.0},
+               followup={"ttft_s": 0.67}, command="sketchkv bench agents --agents 1 --contexts 244K --fill real")
+    chunk = {**row, "prefill": {"mode": "real", "tok_s": 8185.0},
+             "command": row["command"] + " --sparse-prefill-selection chunk"}
+    cold = [g for g in goals([row, chunk]) if g["goal"].startswith("cold prefill")]
+    assert [(g["goal"].endswith("[--sparse-prefill-selection chunk]"), g["met"]) for g in cold] == [(False, False),
+                                                                                                   (True, True)]

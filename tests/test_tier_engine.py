@@ -35,11 +35,12 @@ def _gpu_budget(tier, pool_rows: int) -> float:
 
 
 def test_tier_bf16_same_tokens_as_tier_off(ckpt_with_basis):
-    """Chunked prefill (prefix read back from the tier), mixed steps and sparse decode with misses
-    and hits: the same greedy tokens as without the tier."""
+    """Chunked prefill (prefix read back from the tier, or only one selection's rows), mixed steps and sparse
+    decode with misses and hits: the same greedy tokens as without the tier."""
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
     prompts = [_prompt(300, 1), _prompt(90, 2), _prompt(170, 3)]
-    for kw in ({}, {"max_num_batched_tokens": 64}):
+    for kw in ({"sparse_prefill_selection": "dense"}, {"max_num_batched_tokens": 64, "sparse_prefill_selection": "dense"},
+               {"max_num_batched_tokens": 64, "sparse_prefill_selection": "chunk"}):
         off = _llm(ckpt_with_basis, False, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)
         llm = _llm(ckpt_with_basis, True, **kw)
         on = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
@@ -53,7 +54,8 @@ def test_tier_bf16_same_tokens_as_tier_off(ckpt_with_basis):
 def test_tier_bf16_rows_bf16_model_bit_exact(tmp_path):
     """A bf16 model (qwen3, basis fitted in bf16) with bf16 host rows: the tier reads back exactly the
     values tier-off keeps on the device, so tokens and log-probabilities are identical, through
-    chunked prefill, mixed steps, sparse decode and a follow-up turn from the prefix cache."""
+    chunked prefill (dense or one selection per chunk), mixed steps, sparse decode and a follow-up turn from the
+    prefix cache."""
     from conftest import make_checkpoint
     from sketchkv.kv.fit_basis import fit_basis
     path = str(tmp_path / "qwen3")
@@ -68,14 +70,15 @@ def test_tier_bf16_rows_bf16_model_bit_exact(tmp_path):
     first, other = _prompt(300, 21), _prompt(120, 22)
     follow = first + _prompt(50, 23)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    outs = []
-    for tier in (False, True):
-        llm = _llm(path, tier, dtype="bfloat16", max_num_batched_tokens=96)
-        a = llm.generate(prompt_token_ids=[first, other], sampling_params=sp)
-        b = llm.generate(prompt_token_ids=[follow], sampling_params=sp)[0]
-        assert b.num_cached_tokens >= 256
-        outs.append([(o.token_ids, o.logprobs) for o in a + [b]])
-    assert outs[0] == outs[1]
+    for sel in ("dense", "chunk"):   # prompt chunks over the whole prefix, or over one selection's rows
+        outs = []
+        for tier in (False, True):
+            llm = _llm(path, tier, dtype="bfloat16", max_num_batched_tokens=96, sparse_prefill_selection=sel)
+            a = llm.generate(prompt_token_ids=[first, other], sampling_params=sp)
+            b = llm.generate(prompt_token_ids=[follow], sampling_params=sp)[0]
+            assert b.num_cached_tokens >= 256
+            outs.append([(o.token_ids, o.logprobs) for o in a + [b]])
+        assert outs[0] == outs[1], sel
 
 
 def test_tier_topk_ge_context_equals_dense(ckpt_with_basis):
@@ -122,8 +125,8 @@ def test_tier_follow_up_turn_reuses_prefix(ckpt_with_basis):
     follow = first + _prompt(40, 11)
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = []
-    for tier in (False, True):
-        llm = _llm(ckpt_with_basis, tier)
+    for tier in (False, True):   # (the same prefill either way: auto would select per chunk over the tier only)
+        llm = _llm(ckpt_with_basis, tier, sparse_prefill_selection="dense")
         llm.generate(prompt_token_ids=[first], sampling_params=sp)
         out = llm.generate(prompt_token_ids=[follow], sampling_params=sp)[0]
         assert out.num_cached_tokens >= 256
@@ -214,15 +217,16 @@ def test_tier_waits_for_hot_rows(ckpt_with_basis):
 
 
 def test_tier_stats_add_up(ckpt_with_basis):
-    """hits + misses = picks looked up; PCIe reads = (misses + prefix rows read back) x row bytes;
-    PCIe writes = tokens forwarded x layers x row bytes; per-sequence host bytes = blocks x block bytes."""
+    """hits + misses = picks looked up; PCIe reads = (misses + prefix rows read back by prompt chunks: the
+    whole prefix or one selection's rows) x row bytes; PCIe writes = tokens forwarded x layers x row bytes;
+    per-sequence host bytes = blocks x block bytes."""
     prompts = [_prompt(300, 18), _prompt(90, 19)]
     n_out = 10
     sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
     llm = _llm(ckpt_with_basis, True, fmt="int4")
     eng, tier = llm.engine, llm.engine.runner.tier
     picks = prefix_rows = 0
-    orig_gather, orig_prefix = tier.gather, tier.read_prefix
+    orig_gather, orig_prefix, orig_rows = tier.gather, tier.read_prefix, tier.read_rows
 
     def gather(layer, pos, counts, block_tables, seq_lens, state_slots):
         nonlocal picks
@@ -236,7 +240,12 @@ def test_tier_stats_add_up(ckpt_with_basis):
         nonlocal prefix_rows
         prefix_rows += n
         return orig_prefix(layer, block_table, n, dtype)
-    tier.gather, tier.read_prefix = gather, read_prefix
+
+    def read_rows(layer, block_table, pos, dtype):
+        nonlocal prefix_rows
+        prefix_rows += pos.shape[0]
+        return orig_rows(layer, block_table, pos, dtype)
+    tier.gather, tier.read_prefix, tier.read_rows = gather, read_prefix, read_rows
     for p in prompts:
         eng.add_request(p, sp)
     seen = {}
@@ -258,13 +267,21 @@ def test_tier_stats_add_up(ckpt_with_basis):
     assert HostKVStore.bytes_per_token(L, tier.Hkv, tier.D, "int4") * 16 == tier.store.bytes_per_block
 
 
+def test_prefill_selection_auto_is_chunk_over_the_tier_only(ckpt_with_basis):
+    """auto: one selection per prompt chunk where a dense prefill would read the prefix back from host RAM."""
+    assert _llm(ckpt_with_basis, True).engine.runner.cfg.sparse.prefill_selection == "chunk"
+    assert _llm(ckpt_with_basis, False).engine.runner.cfg.sparse.prefill_selection == "dense"
+    assert _llm(ckpt_with_basis, True, sparse_prefill_selection="dense").engine.runner.cfg.sparse.prefill_selection \
+        == "dense"
+
+
 def test_tier_config_errors(ckpt_with_basis):
     from sketchkv.errors import RequestError
     with pytest.raises(RequestError, match="needs sparse decode"):
         LLM(ckpt_with_basis, device="cpu", sparse_host_tier=True)
     with pytest.raises(RequestError, match="shared_selection"):
         _llm(ckpt_with_basis, True, sparse_shared_selection=False)
-    with pytest.raises(RequestError, match="sparse_prefill_selection must be dense or chunk"):
+    with pytest.raises(RequestError, match="sparse_prefill_selection must be auto, dense or chunk"):
         _llm(ckpt_with_basis, False, sparse_prefill_selection="sparse")
     with pytest.raises(RequestError, match="sparse_prefill_selection=chunk needs sparse_shared_selection"):
         _llm(ckpt_with_basis, False, sparse_prefill_selection="chunk", sparse_shared_selection=False)
@@ -453,7 +470,7 @@ def test_gpu_tier_engine_matches_tier_off(gpu_ckpt):
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6000, 3000, 900)]
     conts = [torch.randint(3, 500, (64,), generator=g).tolist() for _ in prompts]
-    opts = GPU_OPTS
+    opts = {**GPU_OPTS, "sparse_prefill_selection": "dense"}   # the same prefill with and without the tier
     res = {}
     llm = r = None
     for fmt in (None, "bf16", "int4"):

@@ -1,5 +1,6 @@
 """Turns a scheduled batch into tensors, runs the model, samples. Owns the KV cache, the Gated
 DeltaNet state slots and the decode CUDA graphs."""
+import dataclasses
 import itertools
 import logging
 import math
@@ -62,8 +63,10 @@ class ModelRunner:
             raise RequestError(f"sparse_head_combine must be sum, max or softmax, got {sp.head_combine!r}")
         if sp.selector not in ("sketch", "exact"):
             raise RequestError(f"sparse_selector must be sketch or exact, got {sp.selector!r}")
-        if sp.prefill_selection not in ("dense", "chunk"):
-            raise RequestError(f"sparse_prefill_selection must be dense or chunk, got {sp.prefill_selection!r}")
+        if sp.prefill_selection not in ("auto", "dense", "chunk"):
+            raise RequestError(f"sparse_prefill_selection must be auto, dense or chunk, got {sp.prefill_selection!r}")
+        if sp.prefill_selection == "auto":  # chunk where a dense prefill would read its whole prefix over PCIe
+            sp = cfg.sparse = dataclasses.replace(sp, prefill_selection="chunk" if sp.sparse and sp.host_tier else "dense")
         if sp.prefill_selection == "chunk" and not sp.shared_selection:
             raise RequestError("sparse_prefill_selection=chunk needs sparse_shared_selection=True (one pick set per chunk)")
         if sp.verify_selection not in ("per_row", "shared"):

@@ -28,11 +28,11 @@ Prefill: a chunk whose sequence has cached tokens (chunked prefill, prefix-cache
 tokens back from the host tier into a transient GPU buffer (one layer at a time), i.e. attends over
 host-format K/V for the earlier part (exact with bf16 rows and a bf16 model). A sequence that
 starts from a shared prefix gets its sinks and recent ring filled from the host rows (at most S + R
-rows per layer). Its decode steps then move only picked rows, but with the default dense prefill the
+rows per layer). Its decode steps then move only picked rows; with sparse prefill_selection=dense the
 follow-up's own prompt chunk still reads the whole prefix once: 4.35 GB over PCIe at 250K for the 27B
 shape, ~0.7 s of follow-up TTFT alone, and concurrent follow-ups queue behind each other (H200 run 45:
-14 at once, 10.1 s mean). With sparse prefill_selection=chunk a chunk reads only the rows one selection
-per chunk and layer picked (`read_rows`: sinks + top-k + recent, ~3K rows instead of 250K).
+14 at once, 10.1 s mean). With prefill_selection=chunk (the default over the tier) a chunk reads only the rows
+one selection per chunk and layer picked (`read_rows`: sinks + top-k + recent, ~3K rows instead of 250K).
 
 Budgets: host_budget_gb sizes the store (hence the number of KV blocks); gpu_budget_gb covers the
 selector state (sketches | QSA block keys) of all host blocks, the slot map, the resident rows of

@@ -5,8 +5,8 @@ through its int4 sketch, combine the query heads (`head_combine`: by default the
 softmax over the candidates, i.e. estimated attention mass, which scores every query head; or the
 seed's sum of raw scores, one dot per KV head with the summed query group), take the top k
 (deterministic), add the first `sink_tokens` and the last
-`recent_tokens`, and run exact softmax attention over exactly those rows. Prefill stays dense
-(and writes the sketches), except with `prefill_selection=chunk`: a prompt chunk over a cached prefix
+`recent_tokens`, and run exact softmax attention over exactly those rows. Prefill is dense
+(and writes the sketches), except with `prefill_selection=chunk` (`auto` over the host tier): a prompt chunk over a cached prefix
 longer than the dense threshold selects once for the whole chunk (up to CHUNK_SELECT_ROWS of its rows'
 queries, evenly spaced and the last one included, scored as extra query heads of one row: with the softmax
 combine a token scores by the attention mass those rows would give it) and attends the sinks, those picks,
