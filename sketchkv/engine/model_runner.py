@@ -280,14 +280,6 @@ class ModelRunner:
                                  kernel=sp.tier_kernel, ring_extra=self.cfg.num_speculative_tokens)
             for m in self.tier_layers:
                 m.tier = self.tier
-                # quantised rows keep centred keys (sketch layers: the basis mean; QSA layers have none), on the
-                # dims RoPE leaves alone only: a rotated dim's mean turns with the position (the basis saw <= 8K)
-                mean = getattr(m, "mean", None)
-                if mean is not None and sp.host_format != "bf16":
-                    m.key_offset = mean.to(self.dtype).clone()
-                    m.key_offset[:, :self.model_cfg.rotary_dim] = 0
-                else:
-                    m.key_offset = None
         for m in self.qsa_layers:  # block keys, paged like the KV; one extra (dump) row
             m.block_size = self.block_size
             m.index_keys = torch.zeros(num_blocks * (self.block_size // m.ratio) + 1, m.index_dim, dtype=self.dtype,

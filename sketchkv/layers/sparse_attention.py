@@ -97,13 +97,8 @@ class SparseAttention(Attention):
             return super().prefill(q, k, v, block_table, cached, rows)
         pos = self.chunk_selection(q, block_table, cached)
         kp, vp = self.prefix_rows(block_table, pos, k.dtype)
-        k = torch.cat([kp, self.stored_key(k)])
-        return prefix_causal_attention(q, k.to(q.dtype), torch.cat([vp, v]).to(q.dtype), self.scale,
+        return prefix_causal_attention(q, torch.cat([kp, k]).to(q.dtype), torch.cat([vp, v]).to(q.dtype), self.scale,
                                        self.prefill_backend)
-
-    def stored_key(self, k: torch.Tensor) -> torch.Tensor:
-        """The chunk's keys as prefix_rows returns the cached ones (the host tier shifts them; see TieredKV)."""
-        return k
 
     def chunk_selection(self, q, block_table, cached: int) -> torch.Tensor:
         """Positions (ascending, all < cached) a prompt chunk attends in its prefix: sinks, the top-k picks of

@@ -33,24 +33,16 @@ from sketchkv.ops.paged_attention import paged_attention_decode
 
 class TieredKV:
     """Mixin (before the selector layer in the bases): K/V storage and decode through the host tier."""
-    layer: int        # index among the tier's layers
-    tier = None       # HostTier, bound by the model runner (k_cache / v_cache stay empty)
-    key_offset = None  # [Hkv, D] in the model dtype, or None: see stored_key (bound by the model runner)
-
-    def stored_key(self, k: torch.Tensor) -> torch.Tensor:
-        """The keys the tier keeps: k - key_offset (the sketch basis's mean key per KV head, with int4 / int8 host
-        rows), in the host rows and in the resident sinks / ring alike. Attention over keys all shifted by one
-        vector is unchanged (each query's logits move by one constant), so it is never added back; centred keys
-        quantise with smaller group scales (reference model: ~25% less attention-output error from int4 keys)."""
-        return k if self.key_offset is None else k - self.key_offset
+    layer: int      # index among the tier's layers
+    tier = None     # HostTier, bound by the model runner (k_cache / v_cache stay empty)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         ctx = get_context()
-        self.tier.write(self.layer, ctx.slot_mapping, ctx.resident_rows, self.stored_key(k), v)
+        self.tier.write(self.layer, ctx.slot_mapping, ctx.resident_rows, k, v)
 
     def context_kv(self, block_table, cached: int, k, v):
         kp, vp = self.tier.read_prefix(self.layer, block_table, cached, k.dtype)
-        return torch.cat([kp, self.stored_key(k)]), torch.cat([vp, v])
+        return torch.cat([kp, k]), torch.cat([vp, v])
 
     def prefix_rows(self, block_table, pos, dtype):
         """prefill_selection=chunk: only the chosen prefix rows, read from the host tier."""
