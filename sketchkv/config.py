@@ -53,6 +53,14 @@ class SparseConfig:
     gpu_budget_gb: float | None = field(default=None, metadata={"help": "GPU memory for the tier: sketches, sinks + tails, hot buffer (default: what is free after weights and activations)"})
 
 
+def resolved_prefill_selection(sp: SparseConfig) -> str:
+    """prefill_selection=auto -> chunk over the host tier (a dense prefill would read its whole prefix back over
+    PCIe), dense otherwise (the paged cache's prefix read is HBM)."""
+    if sp.prefill_selection != "auto":
+        return sp.prefill_selection
+    return "chunk" if sp.sparse and sp.host_tier else "dense"
+
+
 @dataclass
 class EngineConfig:
     model: str = field(default_factory=default_model)

@@ -152,14 +152,17 @@ def test_random_fill_then_merge(report, tmp_path):
     assert [y for y in m["rows"] if y["config"] == "sparse" and y["agents"] == 1 and y["context"] == 2048][0][
         "prefill"]["mode"] == "random"
     assert "merged from" in (tmp_path / "merged.md").read_text()
+    # sparse points spell out their prefill selection (the default's, resolved): a command means the same after a
+    # default changes
+    assert all("--sparse-prefill-selection chunk" in y["command"] for y in m["rows"] if y["config"] == "sparse")
     # the same point with another engine knob: a row of its own
     bench(["--agents", "1", "--contexts", "2K", "--configs", "sparse", "--fill", "random", "--tail", "256",
-           "--sparse-prefill-selection", "chunk", "--out-dir", str(tmp_path), "--name", "chunk", *SMALL])
+           "--sparse-prefill-selection", "dense", "--out-dir", str(tmp_path), "--name", "chunk", *SMALL])
     assert cli_main(["bench", "agents", "--from-json", str(tmp_path / "merged.json"), str(tmp_path / "chunk.json"),
                      "--out-dir", str(tmp_path), "--name", "merged2", "--quiet"]) == 0
     m2 = json.load(open(tmp_path / "merged2.json"))
     assert len(m2["rows"]) == 9
-    assert sum("--sparse-prefill-selection chunk" in y["command"] for y in m2["rows"]) == 1
+    assert sum("--sparse-prefill-selection dense" in y["command"] for y in m2["rows"]) == 1
 
 
 def test_max_agents_all_decode(tmp_path):
@@ -182,6 +185,10 @@ def test_point_flags():
     assert argv_without(argv) == ["--fill", "random"]
     assert point_command(argv, "dense", 8, 32768) == ("sketchkv bench agents --fill random --configs dense "
                                                       "--agents 8 --contexts 32768")
+    assert point_command(argv, "sparse", 8, 32768, "chunk") == (
+        "sketchkv bench agents --fill random --sparse-prefill-selection chunk --configs sparse --agents 8 --contexts 32768")
+    given = argv + ["--sparse-prefill-selection=dense"]
+    assert point_command(given, "sparse", 8, 32768, "dense").count("--sparse-prefill-selection") == 1
 
 
 def test_data_parallel_replicas_and_ratio(tmp_path):

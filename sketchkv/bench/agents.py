@@ -39,6 +39,7 @@ the combined tok/s over their common timed window (see sketchkv/bench/data_paral
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
@@ -158,8 +159,13 @@ def argv_without(argv: list[str], flags=POINT_FLAGS) -> list[str]:
     return out
 
 
-def point_command(argv: list[str], config: str, agents: int, context: int) -> str:
+def point_command(argv: list[str], config: str, agents: int, context: int, prefill_selection: str | None = None) -> str:
+    """The command that measures one point. prefill_selection (the sparse engine's, resolved from `auto`) is
+    spelled out when argv leaves it to the default, so the command means the same after a default changes and a
+    merged report keeps such rows apart (engine_knobs)."""
     rest = argv_without(argv)
+    if prefill_selection and not any(a.split("=")[0] == "--sparse-prefill-selection" for a in rest):
+        rest += ["--sparse-prefill-selection", prefill_selection]
     return "sketchkv bench agents " + " ".join(shlex.quote(a) for a in rest + [
         "--configs", config, "--agents", str(agents), "--contexts", str(context)])
 
@@ -554,7 +560,7 @@ def run(args, name: str, write: bool = True) -> dict:
     """Every point; write=False: only return the results (a data-parallel replica)."""
     import torch
     from sketchkv.bench import floor as F
-    from sketchkv.config import build_config
+    from sketchkv.config import build_config, resolved_prefill_selection
     from sketchkv.engine.llm_engine import resolve_device, resolve_dtype
     from sketchkv.errors import SketchKVError
     from sketchkv.llm import LLM
@@ -565,6 +571,7 @@ def run(args, name: str, write: bool = True) -> dict:
     dev = resolve_device(cfg0.device)
     dtype = resolve_dtype(cfg0.dtype, dev)
     sp = cfg0.sparse
+    prefill_selection = resolved_prefill_selection(dataclasses.replace(sp, sparse=True, host_tier=True))
     shape = F.shape_of(args.model, dtype, cfg0.cache.block_size, sp.basis)
     mcfg = model_config(args.model)
     max_pos = mcfg.max_position_embeddings
@@ -591,7 +598,7 @@ def run(args, name: str, write: bool = True) -> dict:
     results = {"info": info, "model": args.model, "shape": shape.to_dict(), "bandwidth": bw, "budget": budget,
                "text": source, "sparse": {"top_k": sp.top_k, "sink_tokens": sp.sink_tokens,
                                           "recent_tokens": sp.recent_tokens, "host_format": sp.host_format,
-                                          "hot_fraction": sp.hot_fraction},
+                                          "hot_fraction": sp.hot_fraction, "prefill_selection": prefill_selection},
                "capacity": [{"config": c, "context": L, **v} for (c, L), v in caps.items()], "rows": []}
     out_paths = None
     for cfgname in args.configs:
@@ -603,7 +610,8 @@ def run(args, name: str, write: bool = True) -> dict:
                     n = caps[(cfgname, L)]["max_agents"]
                 points.append((L, a, n))
         row0 = lambda L, a, n: {"config": cfgname, "label": LABELS[cfgname], "agents": n, "agents_arg": a,  # noqa: E731
-                                "context": L, "command": point_command(argv, cfgname, n if a != "max" else "max", L)}
+                                "context": L, "command": point_command(argv, cfgname, n if a != "max" else "max", L,
+                                                                       prefill_selection if cfgname == "sparse" else None)}
         runnable, llm, hf = [], None, None
         for L, a, n in points:
             cap = caps[(cfgname, L)]

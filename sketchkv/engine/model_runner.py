@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from sketchkv.config import EngineConfig
+from sketchkv.config import EngineConfig, resolved_prefill_selection
 from sketchkv.engine.context import Context, VerifyRows, set_context
 from sketchkv.engine.sequence import Sequence, block_tables
 from sketchkv.errors import CapacityError, RequestError
@@ -65,8 +65,7 @@ class ModelRunner:
             raise RequestError(f"sparse_selector must be sketch or exact, got {sp.selector!r}")
         if sp.prefill_selection not in ("auto", "dense", "chunk"):
             raise RequestError(f"sparse_prefill_selection must be auto, dense or chunk, got {sp.prefill_selection!r}")
-        if sp.prefill_selection == "auto":  # chunk where a dense prefill would read its whole prefix over PCIe
-            sp = cfg.sparse = dataclasses.replace(sp, prefill_selection="chunk" if sp.sparse and sp.host_tier else "dense")
+        sp = cfg.sparse = dataclasses.replace(sp, prefill_selection=resolved_prefill_selection(sp))
         if sp.prefill_selection == "chunk" and not sp.shared_selection:
             raise RequestError("sparse_prefill_selection=chunk needs sparse_shared_selection=True (one pick set per chunk)")
         if sp.verify_selection not in ("per_row", "shared"):
