@@ -101,8 +101,8 @@ def combine(replicas: list[dict], n: int, argv: list[str]) -> list[dict]:
         row = {"config": r0["config"], "label": LABELS[r0["config"]], "data_parallel": n,
                "agents": n * r0["agents"], "agents_per_replica": r0["agents"], "context": r0["context"],
                "command": point_command(rest, r0["config"], r0["agents"], r0["context"],
-                                        replicas[0].get("sparse", {}).get("prefill_selection")
-                                        if r0["config"] == "sparse" else None) + f" --data-parallel {n}"}
+                                        replicas[0]["sparse"]["prefill_selection"] if r0["config"] == "sparse"
+                                        else None) + f" --data-parallel {n}"}
         bad = [f"replica {i}: {x['status']}: {x.get('reason')}" for i, x in enumerate(reps) if x["status"] != "ok"]
         if bad:
             rows.append({**row, "status": "error" if any(x["status"] == "error" for x in reps) else "skipped",
