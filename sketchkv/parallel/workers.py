@@ -200,9 +200,13 @@ class TensorParallelWorkers:
             if p.sentinel in ready:
                 p.join(1.0)  # reaps it: exitcode
         dead = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in procs if p.sentinel in ready)
-        logger.critical(f"tensor-parallel worker {dead} died (its traceback, if any, is above); "
-                        "rank 0 cannot continue without its shard: exiting")
-        logging.shutdown()
+        msg = (f"tensor-parallel worker {dead} died (its traceback, if any, is above); "
+               "rank 0 cannot continue without its shard: exiting")
+        if logger.hasHandlers():
+            logger.critical(msg)
+            logging.shutdown()
+        # straight to fd 2 as well: logging's last-resort handler lost it once in CI (rc 1, empty stderr)
+        os.write(2, (msg + "\n").encode())
         os._exit(1)
 
     def call(self, method: str, *args) -> None:
