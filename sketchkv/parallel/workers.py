@@ -205,8 +205,8 @@ class TensorParallelWorkers:
         if logger.hasHandlers():
             logger.critical(msg)
             logging.shutdown()
-        # straight to fd 2 as well: logging's last-resort handler lost it once in CI (rc 1, empty stderr)
-        os.write(2, (msg + "\n").encode())
+        else:  # straight to fd 2: logging's last-resort handler lost it once in CI (rc 1, empty stderr)
+            os.write(2, (msg + "\n").encode())
         os._exit(1)
 
     def call(self, method: str, *args) -> None:
