@@ -14,14 +14,20 @@ report gives mean accepted length (tokens per verification step: accepted drafts
 by draft position, tokens/s, and whether the tokens equal the baseline's (they must at
 temperature 0). Random-weight models accept ~nothing: the numbers mean something only for a
 trained MTP layer. The tokens/s time prefill and decode together (every run prefills its prompts),
-unless --prefix-cached: then the warm-up run fills the prefix cache and each timed run prefills only
-past the prompts' last block boundary (where the GDN state and drafter ring were saved): decode speed.
+unless --prefix-cached: then the warm-up run fills the prefix cache, each timed run prefills only past the
+prompts' last block boundary (where the GDN state and drafter ring were saved), and the reported tok/s
+count from the step that gave every sequence its first token (decode speed; admission, which hashes the
+whole prompt against the prefix cache, ~26 ms per 248K-token prompt on the H200 machine's CPU, is not
+decode).
 """
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
 import platform
+import pstats
 import random
 import sys
 import time
@@ -79,20 +85,19 @@ def build_prompts(llm: LLM, docs, style: str, count: int, context: int, seed: in
 PHASES = ("spec.propose", "runner.run", "spec.verify", "spec.commit", "spec.catch_up")
 
 
-def profile_steps(llm: LLM, prompts, max_tokens: int, path: str) -> dict:
+def profile_steps(llm: LLM, prompts, max_tokens: int, path: str, cached: bool = False) -> dict:
     """Where a speculative step's time goes: a short generate of the same batch under torch.profiler (apart
     from the timed run: profiling slows it). GPU time per engine phase (the ranges llm_engine.step names),
-    host time per phase, kernel launches; operator tables written to `path`."""
+    host time per phase, kernel launches; operator tables written to `path`. cached: the prompts come from
+    the prefix cache (decode steps only), else shuffled copies are prefilled first."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    rng = random.Random(len(prompts))
-    prompts = [rng.sample(p, len(p)) for p in prompts]   # not cached
+    if not cached:
+        rng = random.Random(len(prompts))
+        prompts = [rng.sample(p, len(p)) for p in prompts]   # not cached
     llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     steps0 = llm.engine.stats.get("steps", 0)
-    import cProfile
-    import io
-    import pstats
     host = cProfile.Profile()   # Python-level host time: what keeps the GPU waiting between launches
     with profile(activities=acts) as prof:
         host.enable()
@@ -116,26 +121,42 @@ def profile_steps(llm: LLM, prompts, max_tokens: int, path: str) -> dict:
                 f.write(f"== sorted by {key}\n" + ev.table(sort_by=key, row_limit=40) + "\n")
             except Exception as e:  # sort keys differ across torch versions
                 f.write(f"== {key}: {e}\n")
+    write_host_profile(host, path, mode="a")
+    return {"phases": phases, "launch_calls": launches, "max_tokens": max_tokens, "table": path}
+
+
+def write_host_profile(host, path: str, mode: str = "w") -> None:
+    """cProfile's top functions by own and by cumulative time."""
+    with open(path, mode) as f:
         for key in ("tottime", "cumulative"):
             buf = io.StringIO()
             pstats.Stats(host, stream=buf).sort_stats(key).print_stats(35)
             f.write(f"== Python host time (cProfile), sorted by {key}\n" + buf.getvalue() + "\n")
-    return {"phases": phases, "launch_calls": launches, "max_tokens": max_tokens, "table": path}
 
 
 def run(llm: LLM, prompts, max_tokens: int) -> dict:
+    """Generate greedily; wall time end to end, and decode time: from the step that gave every sequence its first
+    token to the end (what admission costs, hashing the prompts against the prefix cache, is not decode)."""
+    eng, cuda = llm.engine, llm.engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    if llm.engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
-    if llm.engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    n_tok = sum(len(o.token_ids) for o in outs)
-    spec = llm.engine.runner.spec
-    return {"tokens": [o.token_ids for o in outs], "wall_s": wall, "generated": n_tok, "tok_per_s": n_tok / wall,
-            "prompt_cached_mean": sum(o.num_cached_tokens for o in outs) / max(len(outs), 1),
+    seqs = [eng.add_request(p, sp) for p in prompts]
+    t_first = first_tokens = None
+    while eng.has_unfinished:
+        eng.step()
+        if t_first is None and all(s.first_token_time is not None for s in seqs):
+            sync()
+            t_first, first_tokens = time.perf_counter(), sum(len(s.output_token_ids) for s in seqs)
+    sync()
+    end = time.perf_counter()
+    n_tok = sum(len(s.output_token_ids) for s in seqs)
+    spec = eng.runner.spec
+    return {"tokens": [s.output_token_ids for s in seqs], "wall_s": end - t0, "generated": n_tok,
+            "tok_per_s": n_tok / (end - t0), "decode_s": end - t_first,
+            "decode_tok_per_s": (n_tok - first_tokens) / max(end - t_first, 1e-9),
+            "prompt_cached_mean": sum(s.num_prompt_cached for s in seqs) / max(len(seqs), 1),
             **(spec.metrics() if spec else {})}
 
 
@@ -166,11 +187,20 @@ def main():
                     help="time decode: the warm-up fills the prefix cache, so each timed run re-prefills only past the "
                          "prompts' last block boundary (default: every run prefills its prompts, end-to-end tok/s)")
     ap.add_argument("--option", nargs="*", default=[], help="engine options KEY=VALUE (e.g. sparse=true enforce_eager=true)")
+    ap.add_argument("--phases", action="store_true",
+                    help="after the timed runs, one more run with a device sync at each engine phase: wall ms per step "
+                         "per phase (scheduler, propose, prepare, forward, verify, commit, catch-up, Python GC, ...) in "
+                         "the JSON; with --profile DIR also that run's cProfile in DIR/phases-STYLE-nN.txt")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after each timed run, profile a short run of the same batch (torch.profiler): GPU and host time "
                          "per engine phase and launches in the JSON, operator tables in DIR/profile-STYLE-nN.txt")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="A/B: do not move cached prompts to Python's permanent GC generation (llm_engine.FREEZE_GC)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.no_gc_freeze:
+        from sketchkv.engine import llm_engine
+        llm_engine.FREEZE_GC = False
     from sketchkv.config import default_model
     model = make_tiny(a.tiny) if a.tiny else (a.model or default_model())
     opts = {}
@@ -183,10 +213,14 @@ def main():
     else:  # the tiny random model: any Python source will do
         import sketchkv
         docs, source = load_documents([os.path.dirname(sketchkv.__file__)], model)
+    # with --prefix-cached the reported speed (and the speedup over n = 0) is decode tok/s: after every sequence's
+    # first token; else tokens over the whole run, prefill included
+    speed = "decode_tok_per_s" if a.prefix_cached else "tok_per_s"
     results = {"model": model, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
                "command": " ".join(sys.argv), "docs": source, "options": opts, "max_tokens": a.max_tokens,
                "context": a.context, "fill_context": a.fill_context,
                "timing": "decode (prompts from the prefix cache)" if a.prefix_cached else "end-to-end (prefill included)",
+               "speed": speed,
                "styles": {}}
     for style in a.styles:
         rows = {}
@@ -210,8 +244,9 @@ def main():
                 if llm.engine.runner.spec is not None:
                     llm.engine.runner.spec.reset_metrics()
                 timed.append(run(llm, prompts, a.max_tokens))
-            r = sorted(timed, key=lambda x: x["tok_per_s"])[len(timed) // 2]
+            r = sorted(timed, key=lambda x: x[speed])[len(timed) // 2]
             r["tok_per_s_runs"] = [x["tok_per_s"] for x in timed]
+            r["decode_tok_per_s_runs"] = [x["decode_tok_per_s"] for x in timed]
             toks = r.pop("tokens")
             if n == 0:
                 base = toks
@@ -221,12 +256,29 @@ def main():
                                          for t, b in zip(toks, base)) / max(len(toks), 1)
             r["spec_bytes_per_agent"] = mem
             r["prompt_tokens_mean"] = sum(map(len, prompts)) / max(len(prompts), 1)
+            if a.phases:   # one more run with a sync at every engine phase: where the step's wall time goes
+                llm.engine.phase.reset(True)
+                host = cProfile.Profile() if a.profile else None   # and which Python functions take the host time
+                if host:
+                    host.enable()
+                ph = run(llm, prompts, a.max_tokens)
+                if host:
+                    host.disable()
+                    write_host_profile(host, os.path.join(a.profile, f"phases-{style}-n{n}.txt"))
+                r["phases"] = {"wall_s": ph["wall_s"], "steps": llm.engine.phase.calls.get("runner.run", 0),
+                               "ms": llm.engine.phase.report()}
+                llm.engine.phase.reset(False)
             if a.profile:
                 os.makedirs(a.profile, exist_ok=True)
-                r["profile"] = profile_steps(llm, prompts, 6 * (n + 1), os.path.join(a.profile, f"profile-{style}-n{n}.txt"))
+                r["profile"] = profile_steps(llm, prompts, 6 * (n + 1), os.path.join(a.profile, f"profile-{style}-n{n}.txt"),
+                                             cached=a.prefix_cached)
             rows[n] = r
-            print(f"{style:8s} n={n}: {r['tok_per_s']:8.1f} tok/s  accepted length "
+            print(f"{style:8s} n={n}: {r[speed]:8.1f} tok/s ({speed})  accepted length "
                   f"{r.get('spec_mean_accepted_length', 1.0):.2f}  identical={r['identical_to_baseline']}", flush=True)
+            if "phases" in r:
+                ph, steps = r["phases"], max(r["phases"]["steps"], 1)
+                print(f"    phases (synced), ms per step over {steps} steps: " + "  ".join(
+                    f"{k} {v['ms'] / steps:.2f}" for k, v in ph["ms"].items()), flush=True)
             if "profile" in r:
                 pr = r["profile"]
                 print(f"    profile, {pr['max_tokens']} tokens: GPU / host ms per phase: " + "  ".join(
@@ -238,7 +290,7 @@ def main():
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         for n, r in rows.items():
-            r["speedup_vs_n0"] = r["tok_per_s"] / rows[0]["tok_per_s"]
+            r["speedup_vs_n0"] = r[speed] / rows[0][speed]
         results["styles"][style] = rows
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

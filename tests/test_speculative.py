@@ -85,12 +85,15 @@ def test_verification_graph_steps_give_the_same_tokens(mtp_ckpt, eager_graphs, d
     ref = [o.token_ids for o in _llm(mtp_ckpt, max_num_seqs=4).generate(prompt_token_ids=prompts, sampling_params=sp)]
     llm = _llm(mtp_ckpt, max_num_seqs=4, num_speculative_tokens=3)
     r = eager_graphs(llm.engine.runner)
-    assert sorted(r.verify_graphs) == [(False, 1), (False, 2), (False, 4)]
+    assert sorted(k[:2] for k in r.verify_graphs) == [(False, 1), (False, 2), (False, 4)]   # (dense, batch)
     assert_speculation_keeps_tokens(llm, prompts, sp, ref, drafter)
-    replays = {k: type(g).count for k, g in r.verify_graphs.items()}
+    replays = {k[:2]: type(g).count for k, g in r.verify_graphs.items()}
     assert replays[(False, 4)] > 0, replays   # 3 sequences -> the bucket of 4 (one padded sequence)
     # the commit's GDN replay from its graphs too (all 1 + n positions, padded rows on the scratch slot)
     assert sorted(r.replay_graphs) == [1, 2, 4] and sum(type(g).count for g in r.replay_graphs.values()) > 0
+    if drafter == "mtp":  # and the drafter's catch-up over the verified rows (the oracle drafter has none)
+        catch_ups = r.spec.drafter.catch_up_graphs
+        assert sorted(catch_ups) == [(1, None), (2, None), (4, None)] and type(catch_ups[(4, None)]).count > 0
 
 
 def _drafts_and_tokens(llm, prompts, sp):
@@ -105,18 +108,26 @@ def _drafts_and_tokens(llm, prompts, sp):
     return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)], steps
 
 
-def test_drafter_graph_drafts_like_eager(mtp_ckpt, eager_graphs):
+@pytest.mark.parametrize("window", [4096, 0])
+def test_drafter_graph_drafts_like_eager(mtp_ckpt, eager_graphs, window):
     """Greedy steps where every sequence drafts n tokens replay one drafter graph per step (emulated
     eagerly on CPU: static buffers, positions and slots computed on the device, a padded row), and
-    draft exactly what eager drafting drafts; steps with fewer drafts (near max_tokens) stay eager."""
+    draft exactly what eager drafting drafts; steps with fewer drafts (near max_tokens) stay eager. The
+    catch-up after a graph verification runs over all 1 + n rows (rejected ones with filler tokens) and
+    leaves the drafts unchanged, with the windowed drafter's ring and with the dense drafter's paged K/V."""
     prompts = _prompts((9, 60, 31), 6)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    want = _drafts_and_tokens(_llm(mtp_ckpt, max_num_seqs=4, num_speculative_tokens=3), prompts, sp)
-    llm = _llm(mtp_ckpt, max_num_seqs=4, num_speculative_tokens=3)
+    opts = dict(max_num_seqs=4, num_speculative_tokens=3, mtp_attention_window=window)
+    want = _drafts_and_tokens(_llm(mtp_ckpt, **opts), prompts, sp)
+    llm = _llm(mtp_ckpt, **opts)
     drafter = eager_graphs(llm.engine.runner).spec.drafter
     assert sorted(drafter.graphs) == [1, 2, 4]
     assert _drafts_and_tokens(llm, prompts, sp) == want
     assert type(drafter.graphs[4]).count > 0   # 3 sequences -> the bucket of 4
+    # catch-ups over all 1 + n rows draft the same; the windowed drafter's serve every length, the paged
+    # drafter's read the block tables: one per length bucket of the verification graphs
+    assert sum(type(g).count for k, g in drafter.catch_up_graphs.items() if k[0] == 4) > 0
+    assert all((k[1] is None) == (window > 0) for k in drafter.catch_up_graphs)
 
 
 def _run_with_oracle(llm, prompts, sp, reference, seed=0):

@@ -616,7 +616,7 @@ def test_tier_with_speculative_decoding_same_tokens(ckpt_with_basis_and_mtp, dra
     assert (counts == 4 + 16 + 8).all()   # the sparse tiered path ran on the verified rows
 
 
-def test_tier_verification_graph_steps_give_the_same_tokens(ckpt_with_basis_and_mtp, eager_graphs):
+def test_tier_verification_graph_steps_give_the_same_tokens(ckpt_with_basis_and_mtp, eager_graphs, monkeypatch):
     """Verification graphs over the host tier (emulated eagerly on CPU): per-row resident rows and hot
     partitions, only a sequence's first row admits; tokens equal the tier without speculation."""
     from test_speculative import assert_speculation_keeps_tokens
@@ -624,11 +624,15 @@ def test_tier_verification_graph_steps_give_the_same_tokens(ckpt_with_basis_and_
     prompts, sp, kw, ref = _tier_speculation_case(path)
     eager = _llm(path, True, num_speculative_tokens=3, **kw)
     assert_speculation_keeps_tokens(eager, prompts, sp, ref, "oracle")
+    # verification graphs per length bucket (here 2K, 4K, 8K = max_model_len); these short prompts replay 2K's
+    from sketchkv.engine import model_runner
+    monkeypatch.setattr(model_runner, "FIRST_LENGTH_BUCKET", 2048)
     llm = _llm(path, True, num_speculative_tokens=3, **kw)
     r = eager_graphs(llm.engine.runner)
-    assert sorted(r.verify_graphs) == [(True, 1), (True, 2), (True, 4)]
+    assert sorted(r.verify_graphs) == [(True, b, nb) for b in (1, 2, 4) for nb in (128, 256, 512)]
     assert_speculation_keeps_tokens(llm, prompts, sp, ref, "oracle")
-    assert sum(type(g).count for g in r.verify_graphs.values()) > 0
+    used = {k for k, g in r.verify_graphs.items() if type(g).count}
+    assert used and all(nb == 128 for _, _, nb in used), used
     assert sum(type(g).count for g in r.replay_graphs.values()) > 0
     # the same hot-buffer traffic as eager verification (partitions per row, first-row admits)
     got, want = llm.tier_stats(), eager.tier_stats()

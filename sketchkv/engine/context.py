@@ -15,8 +15,9 @@ import torch
 class VerifyRows:
     """A step with draft tokens to verify: Gated DeltaNet layers advance the decoding sequences one
     position at a time on copies of their states, then replay the accepted positions (forward_verify)."""
-    # position t: (flat row, state slot, index among the decoding sequences) of each decoding sequence with > t rows
-    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # position t: (flat row, state slot, index among the decoding sequences) of each decoding sequence with > t rows;
+    # eager regular steps (below) carry only position 0's slots (rows and indices None): their layers need no more
+    steps: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]]
     other_rows: torch.Tensor | None = None          # rows of the other sequences (prefill chunks), varlen as usual
     other_slots: torch.Tensor | None = None
     other_cu: torch.Tensor | None = None

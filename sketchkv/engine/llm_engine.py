@@ -1,4 +1,5 @@
 """The engine loop: requests in, scheduled steps, tokens out."""
+import gc
 import json
 import logging
 import os
@@ -6,13 +7,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from sketchkv.config import EngineConfig
 from sketchkv.engine.detokenizer import IncrementalDetokenizer
 from sketchkv.engine.model_runner import ModelRunner
+from sketchkv.engine.phase_timer import PhaseTimer
 from sketchkv.engine.scheduler import Scheduler
-from sketchkv.engine.sequence import Sequence
+from sketchkv.engine.sequence import Sequence, Status
 from sketchkv.errors import RequestError
 from sketchkv.kv.block_manager import BlockManager
 from sketchkv.layers.rejection_sampler import VerifyOutput
@@ -23,6 +24,11 @@ from sketchkv.sampling_params import SamplingParams
 
 logger = logging.getLogger("sketchkv")
 LONG_PREFILL = 32768  # prompts at least this long log their prefill progress
+# Once a prompt is cached, its token lists (and everything else alive) move to Python's permanent GC
+# generation, until a sequence finishes: a full collection walks every element of every list it tracks,
+# ~36 ms at 24 lists of 254K tokens on a CPU core. Objects are still freed by reference counting; cyclic
+# garbage made while frozen is collected after the next unfreeze.
+FREEZE_GC = True
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
@@ -84,6 +90,8 @@ class LLMEngine:
             if self.workers is not None:  # they may be anywhere in their start: no goodbye message
                 self.workers.kill()
             raise
+        self.phase = PhaseTimer(self.device)   # named ranges; per-phase wall time when enabled (bench_mtp --phases)
+        self.runner.phase = self.phase
         if self.workers is not None:
             self.runner = self.workers.driver(self.runner)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size)
@@ -100,8 +108,16 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device). Idempotent."""
+        self._unfreeze_gc()
         if self.workers is not None:
             self.workers.shutdown()
+
+    @staticmethod
+    def _unfreeze_gc() -> None:
+        """Frozen objects return to the collected generations (a sequence finished: its lists may be garbage
+        in cycles, and an engine dropped later must be collectable)."""
+        if FREEZE_GC:
+            gc.unfreeze()
 
     @staticmethod
     def _generation_eos(path: str) -> set[int]:
@@ -146,6 +162,7 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
+            self._unfreeze_gc()
 
     @property
     def has_unfinished(self) -> bool:
@@ -154,7 +171,8 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns an output for every sequence that got a new token."""
-        batch = self.scheduler.schedule()
+        with self.phase("scheduler.schedule"):
+            batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.waiting and not self.scheduler.running:
                 seq = self.scheduler.waiting[0]
@@ -163,16 +181,17 @@ class LLMEngine:
             return []
         spec = self.runner.spec
         if spec is not None:
-            with record_function("spec.propose"):  # named ranges for torch.profiler (bench_mtp.py --profile)
+            with self.phase("spec.propose"):  # named ranges for torch.profiler (bench_mtp.py --profile)
                 spec.propose(batch)  # draft tokens for the running sequences given 1 + k rows
         starts = [seq.num_cached for seq, _ in batch]
         ends = [i for i, (seq, n) in enumerate(batch) if seq.num_cached + n - seq.num_drafts(n) == len(seq)]
         done = [batch[i][0] for i in ends]  # sequences that get new tokens this step
-        with record_function("runner.run"):
+        with self.phase("runner.run"):
             out = self.runner.run(batch)
         if isinstance(out, SampleOutput):
             out = VerifyOutput.from_sample(out)
-            self._after_run(batch)
+            with self.phase("engine.after_step"):
+                self._after_run(batch)
         else:  # speculative: accepted drafts join the cache, rejected rows roll back
             advance = [n - seq.num_drafts(n) for seq, n in batch]
             for i, a in zip(ends, out.num_accepted):
@@ -186,15 +205,21 @@ class LLMEngine:
             def catch_up():
                 for seq, toks in zip(done, out.tokens):
                     seq.token_ids.append(toks[-1])  # pending, like a sampled token; the drafter reads it
-                with record_function("spec.catch_up"):
+                with self.phase("spec.catch_up"):
                     spec.catch_up(batch, starts)
                 for seq, toks in zip(done, out.tokens):  # emitted one by one below, through the stop checks
                     del seq.token_ids[len(seq) - len(toks):]
 
-            with record_function("spec.commit"):
+            with self.phase("spec.commit"):
                 spec.commit(done, out, {(seq.state_slot, t) for seq, _, t in snaps})   # keeps those states
-            self._after_run(batch, advance, snaps, catch_up)
+            with self.phase("engine.after_step"):
+                self._after_run(batch, advance, snaps, catch_up)
             self.stats.update({k: v for k, v in spec.metrics().items() if not isinstance(v, list)})
+        with self.phase("engine.outputs"):
+            return self._outputs(done, out)
+
+    def _outputs(self, done: list[Sequence], out: VerifyOutput) -> list[RequestOutput]:
+        """Append each sequence's new tokens through the stop checks; one output per sequence."""
         outputs = []
         for i, seq in enumerate(done):
             if seq.first_token_time is None:
@@ -214,6 +239,7 @@ class LLMEngine:
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
+                self._unfreeze_gc()
         return outputs
 
     def _after_run(self, batch, advance: list[int] | None = None,
@@ -222,7 +248,10 @@ class LLMEngine:
         snapshots: (sequence, position, verified row) of snapshot points passed inside a verified run (their
         states were kept by Speculator.commit). catch_up: the drafter's pass over the kept rows, run once the
         scheduler has counted them and before the snapshots are taken (they hold the drafter's K/V ring)."""
+        prefilling = [seq for seq, _ in batch if seq.status == Status.WAITING]
         self.scheduler.after_step(batch, advance)
+        if FREEZE_GC and any(seq.status == Status.RUNNING for seq in prefilling):   # a prompt is cached now
+            gc.freeze()
         if catch_up is not None:
             catch_up()
         for seq, pos, t in snapshots:   # after after_step: the blocks' hashes are registered now
@@ -276,6 +305,7 @@ class LLMEngine:
                     seq.finish_reason = "length"
                     self.scheduler.finish(seq)
                     self.requests.pop(seq.request_id, None)
+                    self._unfreeze_gc()
                 else:
                     seq.token_ids.append(cont[len(got) - 1])
         return [torch.stack(rows[s.seq_id]) for s in seqs]

@@ -9,6 +9,7 @@ import torch
 
 from sketchkv.config import EngineConfig, resolved_prefill_selection
 from sketchkv.engine.context import Context, VerifyRows, set_context
+from sketchkv.engine.phase_timer import PhaseTimer
 from sketchkv.engine.sequence import Sequence, block_tables
 from sketchkv.errors import CapacityError, RequestError
 from sketchkv.layers.attention import Attention
@@ -28,6 +29,8 @@ logger = logging.getLogger("sketchkv")
 # Speculative verification graphs hold bucket x (1 + drafts) rows; above this many rows per step the
 # verification runs eagerly (its per-row selection scratch over max_model_len grows with the rows).
 VERIFY_GRAPH_MAX_ROWS = 128
+# Decode and verification graphs of sparse / QSA models: one per length bucket, this many tokens, twice that, ...
+FIRST_LENGTH_BUCKET = 16384
 
 
 def capture_graph(fn, pool):
@@ -113,7 +116,10 @@ class ModelRunner:
         self.tier = None  # HostTier (sketchkv.kv.host_tier), bound with the caches
         self.gdn_layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_spec = cfg.num_speculative_tokens
+        self.phase = PhaseTimer(device)   # the engine's, once it owns this runner
         self.spec = None  # speculative decoding (engine/speculative.py)
+        self.verify_graph_bucket: tuple[int, int] | None = None   # (batch bucket, blocks per row) of the last step's
+        # verification graph; None: it verified eagerly
         self.mtp_attn_layers = []
         if self.num_spec:
             from sketchkv.engine.speculative import Speculator
@@ -126,7 +132,7 @@ class ModelRunner:
         self.mtp_paged_layers = [m for m in self.mtp_attn_layers if not isinstance(m, WindowedAttention)]
         # decode: (sparse family, batch bucket, blocks per sequence); verification: (sparse family, batch bucket)
         self.graphs: dict[tuple[bool, int, int], torch.cuda.CUDAGraph] = {}
-        self.verify_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        self.verify_graphs: dict[tuple[bool, int, int], torch.cuda.CUDAGraph] = {}   # (sparse, batch, blocks per row)
         self.replay_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the commit's GDN replay, per bucket
         self.state_cache = StateCache(int(cfg.cache.state_cache_gb * 2**30), pin=device.type == "cuda") \
             if self.gdn_layers and cfg.cache.enable_prefix_caching else None
@@ -472,7 +478,7 @@ class ModelRunner:
         (decodes, and prefills that reached the end of their tokens)."""
         hidden, ctx = self._forward(batch, graphs=True)
         if self.spec is not None and sample_now:  # -> VerifyOutput (accepted drafts + one token)
-            with torch.profiler.record_function("spec.verify"):
+            with self.phase("spec.verify"):
                 return self.spec.verify(batch, hidden)
         last = [i for i, (seq, n) in enumerate(batch) if seq.num_cached + n == len(seq)]
         if not ctx.is_decode:  # only the final row of each sequence that completed its tokens
@@ -491,14 +497,16 @@ class ModelRunner:
 
     def _forward(self, batch, graphs: bool) -> tuple[torch.Tensor, Context]:
         """Hidden states of the step's new tokens; pure decode steps replay a CUDA graph."""
-        self._zero_fresh_slots(batch)
-        input_ids, positions, ctx = self._context(batch)
+        self.verify_graph_bucket = None   # set when this step verifies in a graph (MTPDrafter.catch_up reads it)
+        with self.phase("runner.prepare"):
+            self._zero_fresh_slots(batch)
+            input_ids, positions, ctx = self._context(batch)
         key = self._graph_key(ctx) if graphs and ctx.is_decode else None
         if key is not None:
             return self._replay(input_ids, positions, ctx, key), ctx
         bucket = self._verify_bucket(ctx) if graphs else None
         if bucket is not None:
-            return self._replay_verify(input_ids, positions, ctx, (ctx.sparse, bucket)), ctx
+            return self._replay_verify(input_ids, positions, ctx, (ctx.sparse, *bucket)), ctx
         set_context(ctx)
         try:
             return self.model(input_ids, positions), ctx
@@ -519,7 +527,7 @@ class ModelRunner:
         full = self.max_blocks_per_seq
         if not (self.sparse_layers or self.qsa_layers):
             return [full]
-        out, n = [], 16384
+        out, n = [], FIRST_LENGTH_BUCKET
         while -(-n // self.block_size) < full:
             out.append(-(-n // self.block_size))
             n *= 2
@@ -618,7 +626,8 @@ class ModelRunner:
     # its own length (as the eager path does), Gated DeltaNet layers step through a sequence's rows and
     # keep the state after each (`forward_verify`, static row lists), the host tier admits only each
     # sequence's first row's misses. Other verification steps (fewer drafts near max_tokens, prompt
-    # chunks beside them) run eagerly.
+    # chunks beside them) run eagerly. Like the decode graphs, one per length bucket (16K, 32K, ...,
+    # max_model_len): per-row selection over max_model_len cost a 128K step twice its scoring and top-k.
     def _capture_verify_graphs(self, families, sizes, pool):
         Q, dev = self.num_spec + 1, self.device
         sizes = [b for b in sizes if b * Q <= max(VERIFY_GRAPH_MAX_ROWS, Q)]
@@ -628,7 +637,7 @@ class ModelRunner:
         self.v_ids = torch.zeros(R, dtype=torch.int64, device=dev)
         self.v_pos = torch.zeros(R, dtype=torch.int64, device=dev)
         self.v_slot_mapping = torch.zeros(R, dtype=torch.int64, device=dev)
-        self.v_tables = torch.zeros(R, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.v_tables = {nb: torch.zeros(R, nb, dtype=torch.int32, device=dev) for nb in self._length_buckets()}
         self.v_lens = torch.ones(R, dtype=torch.int32, device=dev)          # per row: its position + 1
         self.v_row_slots = torch.full((R,), self.scratch_slot, dtype=torch.int64, device=dev)
         self.v_seq_slots = torch.full((max(sizes),), self.scratch_slot, dtype=torch.int64, device=dev)
@@ -643,25 +652,34 @@ class ModelRunner:
         self.v_steps = {bs: VerifyRows([(torch.arange(bs, device=dev) * Q + t, self.v_seq_slots[:bs],
                                          torch.arange(bs, device=dev)) for t in range(Q)], regular=Q)
                         for bs in sizes}   # static row lists, alive as long as the graphs
-        contexts = {}
-        for sparse, bs in [(f, b) for f in families for b in reversed(sizes)]:
+        contexts = {}   # (batch bucket, blocks per row) -> context: the commit's replay and the drafter's catch-up graphs
+        for sparse, bs, nb in [(f, b, n) for f in families for b in reversed(sizes) for n in reversed(self.v_tables)]:
             r = bs * Q
             ctx = Context(cu_seqlens_q=self.v_cu[:r + 1], seq_lens=self.v_lens[:r], slot_mapping=self.v_slot_mapping[:r],
-                          block_tables=self.v_tables[:r], state_slots=self.v_row_slots[:r], query_lens=[1] * r,
-                          context_lens=[1] * r, is_decode=True, max_seq_len=self.max_model_len, graph=True,
+                          block_tables=self.v_tables[nb][:r], state_slots=self.v_row_slots[:r], query_lens=[1] * r,
+                          context_lens=[1] * r, is_decode=True, max_seq_len=min(self.max_model_len, nb * self.block_size),
+                          graph=True,
                           sparse=sparse, verify=self.v_steps[bs], verify_leaders=self.v_leaders[:bs],
                           verify_group=self.v_group[:r], verify_lasts=self.v_lasts[:bs])
             if self.tier is not None:
                 ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
             step = lambda r=r: self.v_out[:r].copy_(self.model(self.v_ids[:r], self.v_pos[:r]))
-            self.verify_graphs[(sparse, bs)], pool = self._capture(ctx, step, pool)
-            contexts[bs] = ctx
+            self.verify_graphs[(sparse, bs, nb)], pool = self._capture(ctx, step, pool)
+            contexts[(bs, nb)] = ctx
         try:
-            pool = self._capture_replay_graphs(sizes, contexts, pool)
+            full = max(self.v_tables)   # the commit's replay reads no context
+            pool = self._capture_replay_graphs(sizes, {bs: contexts[(bs, full)] for bs in sizes}, pool)
         except Exception as e:  # the verification graphs stay; the commit replays eagerly
             self.replay_graphs.clear()
             _sync(dev)
             logger.warning("CUDA graphs for the speculative commit's GDN replay failed, replaying eagerly: %s",
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+        try:
+            pool = self.spec.drafter.capture_catch_up_graphs(contexts, pool)
+        except Exception as e:  # the drafter catches up eagerly
+            self.spec.drafter.catch_up_graphs.clear()
+            _sync(dev)
+            logger.warning("CUDA graphs for the MTP drafter's catch-up failed, catching up eagerly: %s",
                            str(e).splitlines()[0] if str(e) else type(e).__name__)
         return pool
 
@@ -697,28 +715,31 @@ class ModelRunner:
         self.replay_graphs[bucket].replay()
         return True
 
-    def _verify_bucket(self, ctx: Context) -> int | None:
+    def _verify_bucket(self, ctx: Context) -> tuple[int, int] | None:
+        """(batch bucket, blocks per row) of the smallest verification graph that holds this step, or None."""
         Q = self.num_spec + 1
         if not self.verify_graphs or ctx.verify is None or ctx.verify.other_rows is not None \
                 or any(q != Q for q in ctx.query_lens):
             return None
-        return min((b for _, b in self.verify_graphs if b >= ctx.num_seqs), default=None)
+        need = max(ctx.block_tables.shape[1], -(-ctx.max_seq_len // self.block_size))
+        fits = [(b, nb) for _, b, nb in self.verify_graphs if b >= ctx.num_seqs and nb >= need]
+        return min(fits, default=None)
 
-    def _replay_verify(self, input_ids, positions, ctx: Context, key: tuple[bool, int]) -> torch.Tensor:
-        Q, bs, bucket = self.num_spec + 1, ctx.num_seqs, key[1]
+    def _replay_verify(self, input_ids, positions, ctx: Context, key: tuple[bool, int, int]) -> torch.Tensor:
+        Q, bs, bucket, tables = self.num_spec + 1, ctx.num_seqs, key[1], self.v_tables[key[2]]
         r, rb = bs * Q, bucket * Q
         # padded rows attend to one token of the scratch block, padded sequences step the scratch slot
         self.v_ids[:rb].zero_()
         self.v_pos[:rb].zero_()
         self.v_slot_mapping[:rb].zero_()
-        self.v_tables[:rb].zero_()
+        tables[:rb].zero_()
         self.v_lens[:rb].fill_(1)
         self.v_row_slots[:rb].fill_(self.scratch_slot)
         self.v_seq_slots[:bucket].fill_(self.scratch_slot)
         self.v_ids[:r] = input_ids
         self.v_pos[:r] = positions
         self.v_slot_mapping[:r] = ctx.slot_mapping
-        self.v_tables[:r, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0).repeat_interleave(Q, 0)
+        tables[:r, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0).repeat_interleave(Q, 0)
         self.v_lens[:r] = ctx.decode_lens
         self.v_row_slots[:r] = ctx.state_slots.repeat_interleave(Q)
         self.v_seq_slots[:bs] = ctx.state_slots
@@ -729,4 +750,5 @@ class ModelRunner:
             self.v_hot_pids[:r] = ctx.hot_pids.repeat_interleave(Q)
             self.tier.store.wait()
         self.verify_graphs[key].replay()
+        self.verify_graph_bucket = key[1:]
         return self.v_out[:r]

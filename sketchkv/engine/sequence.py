@@ -18,7 +18,10 @@ class Status(enum.Enum):
 _ids = itertools.count()
 
 
-@dataclass
+# eq=False: sequences compare by identity. The dataclass __eq__ compared whole token lists, so the scheduler's
+# `seq in running` cost O(context) per sequence and step when agents share a long prompt (2.4 ms per step at
+# 8 x 128K identical prompts on a CPU core).
+@dataclass(eq=False)
 class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams

@@ -35,7 +35,9 @@ static buffers replays one graph per bucket (ModelRunner.replay_commit, all 1 + 
 step by step and eagerly when a prefix-cache snapshot falls inside the verified run. Greedy
 drafting of n tokens for every sequence replays one drafter graph per step (MTPDrafter.capture_graphs;
 one host sync for the drafts); sampled drafting and steps with fewer drafts run eagerly. The catch-up
-pass is eager (one MTP pass over the accepted rows, attended as decode rows).
+after a graph verification step replays a graph over all 1 + n rows of each sequence
+(MTPDrafter.capture_catch_up_graphs); after other steps it is one eager MTP pass over the accepted rows
+(prompt chunks too), attended as decode rows. Verification graphs exist per length bucket, as decode graphs.
 """
 
 import torch
@@ -50,17 +52,18 @@ from sketchkv.layers.sampler import _filter
 
 def verify_rows(query_lens: list[int], cu: list[int], state_slots: list[int], decoding: list[bool],
                 device) -> VerifyRows:
-    """Row and slot lists for `GatedDeltaNet.forward_verify`."""
+    """Row and slot lists for `GatedDeltaNet.forward_verify`. A regular step (every sequence decodes with the same
+    number of rows) needs only the sequences' slots: its layers step all positions at once."""
     t = lambda x, dt=torch.int64: to_device(x, dt, device)
     dec = [b for b, d in enumerate(decoding) if d]
+    other = [b for b, d in enumerate(decoding) if not d]
+    if not other and len(set(query_lens)) == 1:
+        return VerifyRows([(None, t(state_slots), None)], regular=query_lens[0])
     steps = []
     for pos in range(max(query_lens[b] for b in dec)):
         live = [i for i, b in enumerate(dec) if query_lens[b] > pos]
         steps.append((t([cu[dec[i]] + pos for i in live]), t([state_slots[dec[i]] for i in live]), t(live)))
     vr = VerifyRows(steps)
-    other = [b for b, d in enumerate(decoding) if not d]
-    if not other and len(set(query_lens)) == 1:
-        vr.regular = query_lens[0]
     if other:
         vr.other_rows = t([r for b in other for r in range(cu[b], cu[b + 1])])
         vr.other_slots = t([state_slots[b] for b in other])
@@ -103,6 +106,7 @@ class MTPDrafter:
             raise CheckpointError("num_speculative_tokens > 0 needs a checkpoint with an MTP layer (mtp.* tensors, "
                                   "mtp_num_hidden_layers in config.json)")
         self.graphs = {}   # batch bucket -> CUDA graph drafting n greedy tokens for that many sequences
+        self.catch_up_graphs = {}   # batch bucket -> CUDA graph of the catch-up after a graph verification step
 
     # ---- CUDA graphs: all n drafts of greedy sequences in one replay ------------------------------------
     # Eager, a step's drafting is n LM-head projections and n - 1 MTP passes, each a few dozen small
@@ -163,6 +167,52 @@ class MTPDrafter:
         for s, d in zip(seqs, self.g_drafts[:B].tolist()):   # the step's one host sync
             s.draft_token_ids, s.draft_probs = d, None
 
+    # ---- CUDA graphs: the catch-up after a graph verification step ---------------------------------------
+    # Eager, the catch-up was ~2.3 ms of an 11.8 ms MTP-7 step at 8 x 128K on the reference model (H200
+    # run 63: dozens of small launches). After a verification graph the step's rows sit in the runner's
+    # static buffers (target hidden states v_out, positions, lengths, slots, tables), so one graph per bucket
+    # runs the MTP layer over all 1 + n rows of every sequence, each attended as a decode row of its own
+    # length (as the eager pass attends its rows). Rows past a sequence's accepted ones get a filler token:
+    # the K/V they write lie past its length, and the next step's drafter and catch-up overwrite them before
+    # any row reads them (ring >= W + n + 1 rows; paged: attention never reads past a row's length).
+    def capture_catch_up_graphs(self, contexts: dict[tuple[int, int], Context], pool):
+        """contexts: the verification graphs' (batch bucket, blocks per row) -> context. The windowed drafter
+        reads its ring, not the block tables: one graph per batch bucket serves every length."""
+        r, Q = self.runner, self.runner.num_spec + 1
+        paged, full = bool(r.mtp_paged_layers), max(nb for _, nb in contexts)
+        R = max(bs for bs, _ in contexts) * Q
+        self.c_ids = torch.zeros(R, dtype=torch.int64, device=r.device)
+        self.c_out = torch.zeros(R, r.model_cfg.hidden_size, dtype=r.dtype, device=r.device)
+        for (bs, nb), ctx in sorted(contexts.items(), reverse=True):
+            if paged or nb == full:
+                step = lambda n=bs * Q: self.c_out[:n].copy_(
+                    self.model.mtp(self.model.model.embed_tokens(self.c_ids[:n]), r.v_out[:n], r.v_pos[:n]))
+                self.catch_up_graphs[(bs, nb if paged else None)], pool = r._capture(ctx, step, pool)
+        return pool
+
+    def _catch_up_graph(self, items: list[tuple[Sequence, int, int, int]]) -> bool:
+        """The catch-up from its graph when the step verified in a graph (every item: a decoding sequence's
+        accepted rows, at the start of its 1 + n rows); False: catch up eagerly."""
+        r, Q = self.runner, self.runner.num_spec + 1
+        if r.verify_graph_bucket is None:
+            return False
+        bucket, nb = r.verify_graph_bucket
+        key = (bucket, nb if r.mtp_paged_layers else None)
+        if key not in self.catch_up_graphs or len(items) > bucket \
+                or any(r0 != i * Q or not 0 < n <= Q for i, (_, _, n, r0) in enumerate(items)):
+            return False
+        ids = [0] * (bucket * Q)
+        for i, (seq, s, n, _) in enumerate(items):
+            ids[i * Q:i * Q + n] = seq.token_ids[s + 1:s + n + 1]
+        self.c_ids[:bucket * Q] = to_device(ids, torch.int64, r.device)
+        self.catch_up_graphs[key].replay()
+        last = self.c_out[to_device([i * Q + n - 1 for i, (_, _, n, _) in enumerate(items)], torch.int64, r.device)]
+        for i, (seq, s, n, _) in enumerate(items):
+            if seq.status == Status.RUNNING and s + n == len(seq) - 1:
+                seq.mtp_hidden = last[i]
+                seq.spec_ready = True
+        return True
+
     def _mtp(self, ids, hidden, positions, ctx):
         with forward_context(ctx):
             return self.model.mtp(self.model.model.embed_tokens(ids), hidden, positions)
@@ -171,6 +221,8 @@ class MTPDrafter:
         """items: (sequence, first position, number of rows, first row in `hidden`), the rows the
         target just computed and kept. Writes the MTP KV of those positions; for sequences with one
         token pending, keeps the MTP output at the last row for the next drafts."""
+        if self._catch_up_graph(items):
+            return
         items = [it for it in items if it[2] > 0]
         if not items:
             return
@@ -307,7 +359,7 @@ class Speculator:
         if not done:
             return VerifyOutput([], [], [], [], [])
         logits = self.runner.model.compute_logits(hidden[to_device(rows, torch.int64, hidden.device)])
-        return verify([logits[a:a + m] for a, m in spans], [s.draft_token_ids for s in done],
+        return verify(logits, spans, [s.draft_token_ids for s in done],
                       [s.draft_probs for s in done], [s.params for s in done], [s.generator for s in done])
 
     def commit(self, done: list[Sequence], out: VerifyOutput, snapshots: set[tuple[int, int]] = frozenset()) -> None:
