@@ -11,8 +11,8 @@ from collections import OrderedDict
 from sketchkv.engine.sequence import Sequence
 
 
-def chain_hash(prev: int | None, tokens: list[int]) -> int:
-    return hash((prev, tuple(tokens)))
+def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((prev, tokens))
 
 
 class BlockManager:
@@ -74,21 +74,21 @@ class BlockManager:
         bs = self.block_size
         while len(seq.block_hashes) < seq.num_cached // bs:
             i = len(seq.block_hashes)
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(h)
             b = seq.block_table[i]
             if h not in self.block_of and self.hash_of[b] is None:
-                self.block_of[h], self.hash_of[b], self.tokens_of[b] = b, h, tuple(tokens)
+                self.block_of[h], self.hash_of[b], self.tokens_of[b] = b, h, tokens
 
     def match(self, tokens: list[int]) -> list[tuple[int, int]]:
         """(block, hash) of the longest chain of cached full blocks that prefixes `tokens`."""
         bs, out, prev = self.block_size, [], None
-        for i in range(len(tokens) // bs):
-            chunk = tokens[i * bs:(i + 1) * bs]
+        for i in range(len(tokens) // bs):   # one tuple per block, hashed and compared (a 248K prompt: 15.5K)
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = chain_hash(prev, chunk)
             b = self.block_of.get(h)
-            if b is None or self.tokens_of[b] != tuple(chunk):
+            if b is None or self.tokens_of[b] != chunk:
                 break
             out.append((b, h))
             prev = h

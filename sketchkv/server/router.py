@@ -38,7 +38,7 @@ def block_hashes(ids: list[int], block_size: int) -> list[int]:
     """Chained hashes of the full blocks of `ids` (a partial last block has none)."""
     out, prev = [], None
     for i in range(0, len(ids) // block_size * block_size, block_size):
-        prev = chain_hash(prev, ids[i:i + block_size])
+        prev = chain_hash(prev, tuple(ids[i:i + block_size]))
         out.append(prev)
     return out
 
