@@ -195,7 +195,8 @@ def main():
                     help="after each timed run, profile a short run of the same batch (torch.profiler): GPU and host time "
                          "per engine phase and launches in the JSON, operator tables in DIR/profile-STYLE-nN.txt")
     ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="A/B: do not move cached prompts to Python's permanent GC generation (llm_engine.FREEZE_GC)")
+                    help="A/B: do not move admitted requests' token lists to Python's permanent GC generation "
+                         "(llm_engine.FREEZE_GC)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.no_gc_freeze:

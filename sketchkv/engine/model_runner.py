@@ -130,7 +130,7 @@ class ModelRunner:
         # the windowed drafter keeps its K/V in a ring per state slot, the dense one in the paged blocks
         self.mtp_ring_layers = [m for m in self.mtp_attn_layers if isinstance(m, WindowedAttention)]
         self.mtp_paged_layers = [m for m in self.mtp_attn_layers if not isinstance(m, WindowedAttention)]
-        # decode: (sparse family, batch bucket, blocks per sequence); verification: (sparse family, batch bucket)
+        # (sparse family, batch bucket, blocks per sequence or row): decode and verification graphs
         self.graphs: dict[tuple[bool, int, int], torch.cuda.CUDAGraph] = {}
         self.verify_graphs: dict[tuple[bool, int, int], torch.cuda.CUDAGraph] = {}   # (sparse, batch, blocks per row)
         self.replay_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the commit's GDN replay, per bucket

@@ -48,12 +48,13 @@ class PhaseTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @contextmanager
     def __call__(self, name: str):
+        """A context manager for one phase: a bare profiler range unless timing is on (the decode hot path)."""
+        return self._timed(name) if self.enabled else record_function(name)
+
+    @contextmanager
+    def _timed(self, name: str):
         with record_function(name):
-            if not self.enabled:
-                yield
-                return
             self._sync()
             t0 = time.perf_counter()
             self._inner.append(0.0)

@@ -55,10 +55,10 @@ def verify_rows(query_lens: list[int], cu: list[int], state_slots: list[int], de
     """Row and slot lists for `GatedDeltaNet.forward_verify`. A regular step (every sequence decodes with the same
     number of rows) needs only the sequences' slots: its layers step all positions at once."""
     t = lambda x, dt=torch.int64: to_device(x, dt, device)
-    dec = [b for b, d in enumerate(decoding) if d]
     other = [b for b, d in enumerate(decoding) if not d]
     if not other and len(set(query_lens)) == 1:
         return VerifyRows([(None, t(state_slots), None)], regular=query_lens[0])
+    dec = [b for b, d in enumerate(decoding) if d]
     steps = []
     for pos in range(max(query_lens[b] for b in dec)):
         live = [i for i, b in enumerate(dec) if query_lens[b] > pos]
@@ -106,7 +106,8 @@ class MTPDrafter:
             raise CheckpointError("num_speculative_tokens > 0 needs a checkpoint with an MTP layer (mtp.* tensors, "
                                   "mtp_num_hidden_layers in config.json)")
         self.graphs = {}   # batch bucket -> CUDA graph drafting n greedy tokens for that many sequences
-        self.catch_up_graphs = {}   # batch bucket -> CUDA graph of the catch-up after a graph verification step
+        # (batch bucket, blocks per row; None for the windowed drafter) -> the catch-up after a graph verification
+        self.catch_up_graphs = {}
 
     # ---- CUDA graphs: all n drafts of greedy sequences in one replay ------------------------------------
     # Eager, a step's drafting is n LM-head projections and n - 1 MTP passes, each a few dozen small
