@@ -707,3 +707,23 @@ def test_interp_compose_rows_kernel_vs_ref(map_dtype):
 
 def test_interpreter_child():
     run_interpreter_tests(__file__, hg._INTERPRETED)
+
+
+def test_bench_host_gather_smoke(tmp_path):
+    """benchmarks/bench_host_gather.py --smoke (CPU, interpreter child): every gather case in all three pick
+    orders matches the reference, and the hot-buffer step runs (the GPU run's script, kept runnable)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "hg.json"
+    r = subprocess.run([sys.executable, "benchmarks/bench_host_gather.py", "--smoke", "--footprints-mib", "--out",
+                        str(out)], env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    orders = {(g["case"], g["order"]) for g in res["gather"]}
+    assert len(orders) == 3 * len({g["case"] for g in res["gather"]}) and all(g["exact_vs_ref"] for g in res["gather"])
+    assert res["hot_buffer_step"]["us"] > 0 and 0 < res["hot_buffer_step"]["hit_rate"] < 1

@@ -62,6 +62,12 @@ def test_interp_topk_positions_kernel_matches_torch():
         assert torch.equal(topk_positions(s, k, -1), topk_positions_torch(s, k, -1))
     r = torch.randn(3, 4100)
     assert torch.equal(topk_positions(r, 64, -1), topk_positions_torch(r, 64, -1))
+    # more than 16 chunks (the compact kernel sums the counts of the chunks before it), coarse values tied
+    # across chunks, and a row with fewer finite scores than k (padded by chunk 0)
+    w = torch.round(torch.randn(2, 41000) * 3)
+    w[1, 1500:] = float("-inf")
+    for k in (3000, 1):
+        assert torch.equal(topk_positions(w, k, 7), topk_positions_torch(w, k, 7))
 
 
 @needs_interp

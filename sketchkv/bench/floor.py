@@ -197,7 +197,8 @@ def agent_bytes(shape: Shape, config: str, tokens: int, sinks: int = 0, recent: 
     padded = -(-tokens // bs) * bs
     if config == "sparse":
         hot = max(64, math.ceil(hot_fraction * (hot_tokens if hot_tokens is not None else tokens)))
-        gpu = {"sketch": padded * shape.sketch_per_token, "slot_map": slot_bytes * shape.attn_layers * padded,
+        # slot map: every layer's entry + the hot buffer's admit scratch (4 B per host slot, all layers)
+        gpu = {"sketch": padded * shape.sketch_per_token, "slot_map": (slot_bytes * shape.attn_layers + 4) * padded,
                "resident": (sinks + max(recent, 1) + num_speculative_tokens) * shape.kv_per_token,
                "hot": hot * shape.hot_row(host_format),
                "gdn_state": shape.gdn_state}

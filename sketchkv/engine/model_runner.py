@@ -193,11 +193,13 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         """GPU bytes per block of tokens: K + V rows (layers not in the host tier), plus the int4
-        sketch and its scale for sparse layers and the hot buffer's slot map for tiered ones."""
+        sketch and its scale for sparse layers and the hot buffer's slot map for tiered ones (4 B per slot and
+        layer, + 4 B per slot of the admit's claim scratch)."""
         c = self.model_cfg
         layers = len(self.attn_layers) - len(self.tier_layers) + len(self.mtp_paged_layers)  # dense MTP KV: same blocks
         kv = 2 * layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return kv + self.selector_bytes_per_block + 4 * len(self.tier_layers) * self.block_size
+        slot_map = 4 * (len(self.tier_layers) + 1) * self.block_size if self.tier_layers else 0
+        return kv + self.selector_bytes_per_block + slot_map
 
     @property
     def qsa_index_bytes_per_token(self) -> int:

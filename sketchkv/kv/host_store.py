@@ -210,14 +210,17 @@ class HostKVStore:
         return unpack_kv(rec, self.fmt, self.head_dim)
 
     def gather(self, layer: int, rows: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
-               dst_rows: torch.Tensor | None = None, *, sort: bool = False, segments: int = 1, **kw):
+               dst_rows: torch.Tensor | None = None, *, sort: bool = False, segments: int = 1, count: bool = True,
+               **kw):
         """The miss path: host_gather from this layer's rows (after its pending writes, GPU-side),
-        counting the bytes read (rows [N]: a full row per pick; [Hkv, N]: a head record)."""
+        counting the bytes read (rows [N]: a full row per pick; [Hkv, N]: a head record). count=False: the
+        caller counts them (the tier's decode step: its misses, already counted by the hot lookup)."""
         if dst_k.is_cuda and self._events[layer] is not None and not torch.cuda.is_current_stream_capturing():
             self.wait(layer)  # (inside a graph capture the writes are on the captured stream: ordered)
         host_gather(self.rows(layer), rows, dst_k, dst_v, self.fmt, dst_rows, sort=sort, segments=segments, **kw)
-        per_pick = self.head_bytes if rows.dim() == 2 else self.row_bytes
-        self.counters.add("pcie_read_bytes", (rows >= 0).sum() * per_pick)
+        if count:
+            per_pick = self.head_bytes if rows.dim() == 2 else self.row_bytes
+            self.counters.add("pcie_read_bytes", (rows >= 0).sum() * per_pick)
         return dst_k, dst_v
 
     def stats(self) -> TierStats:

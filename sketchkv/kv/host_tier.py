@@ -19,8 +19,8 @@ Owns, for the tiered layers (every full-attention layer, numbered 0..L-1 in mode
 
 One decode step of layer l (`gather`, then attention, then `admit`; no host sync, fixed shapes):
   selected positions -> sinks / recent tail from `resident`, picks -> host slots -> hot lookup ->
-  hits read from the hot pool, misses from pinned host memory by the zero-copy gather (sorted by
-  address; it also keeps their records for the admit), both dequantised by the same kernel -> one
+  hits read from the hot pool, misses from pinned host memory by the zero-copy gather (in position
+  order; it also keeps their records for the admit), both dequantised by the same kernel -> one
   compact [B, N, Hkv, D] K/V scratch in selection order, which the existing paged decode kernel
   reads as a paged cache (block size 16, seq_len = count).
 
@@ -101,9 +101,10 @@ class HostTier:
     def fixed_gpu_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, sinks, recent,
                         num_state_slots) -> int:
         """GPU bytes besides the hot pool and the selector state: resident rows + the hot slot map (sized
-        at 4 B per slot; the map is int16, 2 B, when the pool ends up with at most 32767 rows)."""
+        at 4 B per slot; the map is int16, 2 B, when the pool ends up with at most 32767 rows) + the admit's
+        claim scratch (4 B per slot, one for all layers)."""
         res = num_layers * (num_state_slots * (sinks + max(recent, 1)) + 1) * 2 * num_kv_heads * head_dim * dtype.itemsize
-        return res + num_layers * (num_blocks * block_size + 1) * 4
+        return res + (num_layers + 1) * (num_blocks * block_size + 1) * 4
 
     @property
     def resident_row_bytes(self) -> int:
@@ -219,7 +220,12 @@ class HostTier:
                                        dump_row=self.dump_row, Np=Np)
         kf, vf = k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D)
         rec = torch.empty(B * Np, self.store.row_bytes, dtype=torch.uint8, device=k.device)
-        self.store.gather(layer, miss.flatten(), kf, vf, sort=True, segments=B, raw=rec)   # address order per sequence
+        # No sort by address: the picks are in position order, i.e. ascending within each 64-row block, the
+        # order the block table gives across blocks (ascending for a sequence's fresh blocks). The segmented
+        # sort and its permutation cost ~25 us per layer at 8 x 250K (H200 run 48); what order across blocks
+        # costs is bench_host_gather.py's "blocks" order. The misses' bytes are counted by stats() from the
+        # lookup's miss count (the same rows), not by a reduction here.
+        self.store.gather(layer, miss.flatten(), kf, vf, raw=rec, count=False)
         host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
         return k, v, miss, rec.view(B, Np, -1)
 
@@ -229,19 +235,21 @@ class HostTier:
 
     # ---- accounting ---------------------------------------------------------------------------------
     def stats(self) -> TierStats:
-        """Totals since start: hits, misses, PCIe bytes (one host sync); host/GPU bytes allocated."""
+        """Totals since start: hits, misses, PCIe bytes (one host sync); host/GPU bytes allocated. PCIe reads:
+        the store's own (prefix reads, resident fills) + one row per decode miss (gather reads exactly those)."""
         s = self.store.stats() + self.hot.stats()
-        return TierStats(s.hits, s.misses, s.pcie_read_bytes, s.pcie_write_bytes, self.store.total_bytes,
-                         self.gpu_bytes)
+        return TierStats(s.hits, s.misses, s.pcie_read_bytes + s.misses * self.store.row_bytes, s.pcie_write_bytes,
+                         self.store.total_bytes, self.gpu_bytes)
 
     def seq_stats(self, seq) -> TierStats:
         """Memory one sequence holds: host rows of its blocks (shared prefix blocks counted in full),
         and on the GPU its resident rows, hot partition, selector state (sketches | QSA block keys) and
-        slot-map entries."""
+        slot-map entries (every layer's map + the admit's claim scratch)."""
         blocks = len(seq.block_table)
         part = self.hot._parts.get(seq.tier_pid, (0, 0))[1] if seq.tier_pid >= 0 else 0
+        per_slot = self.L * self.hot.map.element_size() + self.hot.claim_bytes_per_slot
         gpu = (self.width * self.resident_row_bytes + part * self.hot.row_bytes
-               + blocks * (self.selector_bytes_per_block + self.L * self.block_size * self.hot.map.element_size()))
+               + blocks * (self.selector_bytes_per_block + self.block_size * per_slot))
         return TierStats(host_bytes=blocks * self.store.bytes_per_block, gpu_bytes=gpu)
 
     def __repr__(self) -> str:

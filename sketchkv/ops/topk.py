@@ -78,17 +78,29 @@ if triton is not None:
         tl.store(base + 1, tl.sum(eq.to(tl.int32), 0))
 
     @triton.jit
-    def _compact_kernel(s_ptr, kth_ptr, before_ptr, need_ptr, out_ptr, N, K, stride_s, stride_o, CH: tl.constexpr):
-        # every score above the k-th value is taken, equal ones in position order until `need`; each
-        # chunk writes its picks after those of the chunks before it (exclusive counts `before`)
+    def _compact_kernel(s_ptr, kth_ptr, cnt_ptr, out_ptr, N, K, fill, stride_s, stride_o, CH: tl.constexpr,
+                        NCP: tl.constexpr):
+        # every score above the k-th value is taken, equal ones in position order until `need` = k - (all
+        # above); each chunk writes its picks after those of the chunks before it (it sums their counts: a
+        # row has at most NCP chunks), and chunk 0 pads the row's untaken tail with `fill`
         row, chunk = tl.program_id(0), tl.program_id(1)
         offs, gt, eq = _above_kth(s_ptr, kth_ptr, row, chunk, N, stride_s, CH)
-        base = before_ptr + (row * tl.num_programs(1) + chunk) * 2
-        gt_before, eq_before = tl.load(base), tl.load(base + 1)
-        need = tl.load(need_ptr + row)
+        c = tl.arange(0, NCP)
+        nch = tl.num_programs(1)
+        cnt = cnt_ptr + (row * nch + c) * 2
+        gts = tl.load(cnt, mask=c < nch, other=0)
+        eqs = tl.load(cnt + 1, mask=c < nch, other=0)
+        gt_before = tl.sum(tl.where(c < chunk, gts, 0), 0)
+        eq_before = tl.sum(tl.where(c < chunk, eqs, 0), 0)
+        need = K - tl.sum(gts, 0)
         take = gt | (eq & (eq_before + tl.cumsum(eq.to(tl.int32), 0) <= need))
         col = gt_before + tl.minimum(eq_before, tl.maximum(need, 0)) + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(out_ptr + row * stride_o + col, offs, mask=take & (col < K))
+        if chunk == 0:
+            taken = tl.minimum(tl.sum(gts, 0) + tl.minimum(tl.sum(eqs, 0), tl.maximum(need, 0)), K)
+            for t in range(0, K, CH):
+                j = t + tl.arange(0, CH)
+                tl.store(out_ptr + row * stride_o + j, tl.full([CH], fill, tl.int32), mask=(j >= taken) & (j < K))
 
 
     @triton.jit
@@ -103,7 +115,10 @@ if triton is not None:
         # one radix round, program (row, p): tiles p, p + programs, ... (iters of them) of the row; among the keys whose
         # higher digits equal this round's prefix, histogram the 8-bit digit at SHIFT -> hist [rows, 256]
         row, p = tl.program_id(0), tl.program_id(1)
-        prefix = tl.load(state_ptr + row * 2).to(tl.uint32, bitcast=True)
+        if SHIFT < 24:
+            prefix = tl.load(state_ptr + row * 2).to(tl.uint32, bitcast=True)
+        else:  # the first round: no digit fixed yet (state is not written before it)
+            prefix = tl.zeros([], tl.uint32)
         high = (0xFFFFFFFF << (SHIFT + 8)) if SHIFT < 24 else 0    # the digits already fixed
         acc = tl.zeros((256,), tl.int32)
         for i in range(iters):
@@ -114,17 +129,23 @@ if triton is not None:
         tl.atomic_add(hist_ptr + row * 256 + tl.arange(0, 256), acc)
 
     @triton.jit
-    def _radix_pick_kernel(state_ptr, hist_ptr, kth_ptr, SHIFT: tl.constexpr):
+    def _radix_pick_kernel(state_ptr, hist_ptr, kth_ptr, k0, SHIFT: tl.constexpr):
         # the digit holding the k-th largest key among the matching ones: counts from the top digit down;
-        # state [rows, 2] = (prefix, k left) for the next round; the last round writes the k-th value
+        # state [rows, 2] = (prefix, k left) for the next round (the first round starts from (0, k0)); the
+        # last round writes the k-th value
         row = tl.program_id(0)
         d = tl.arange(0, 256)
         h = tl.load(hist_ptr + row * 256 + d)
-        k = tl.load(state_ptr + row * 2 + 1)
+        if SHIFT < 24:
+            k = tl.load(state_ptr + row * 2 + 1)
+            prefix = tl.load(state_ptr + row * 2).to(tl.uint32, bitcast=True)
+        else:
+            k = k0
+            prefix = tl.zeros([], tl.uint32)
         at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h            # keys with digit >= d
         digit = tl.sum((at_or_above >= k).to(tl.int32), 0) - 1
         above = tl.sum(tl.where(d > digit, h, 0), 0)
-        prefix = tl.load(state_ptr + row * 2).to(tl.uint32, bitcast=True) | (digit.to(tl.uint32) << SHIFT)
+        prefix = prefix | (digit.to(tl.uint32) << SHIFT)
         tl.store(state_ptr + row * 2, prefix.to(tl.int32, bitcast=True))
         tl.store(state_ptr + row * 2 + 1, k - above)
         if SHIFT == 0:
@@ -140,7 +161,7 @@ def kth_largest_torch(s: torch.Tensor, k: int) -> torch.Tensor:
 def kth_largest_triton(s: torch.Tensor, k: int) -> torch.Tensor:
     """kth_largest_torch bit for bit, by radix select: four rounds over 8-bit digits of the order-preserving
     keys, each a histogram pass over the row (integer atomics: deterministic) and a one-program pick. 9
-    small launches; torch.topk sorts rows of >= 100K scores when there are <= 10 rows (its heuristic), which
+    small launches (one memset, 4 x 2 kernels); torch.topk sorts rows of >= 100K scores when there are <= 10 rows (its heuristic), which
     cost ~150 us per layer at 8 x 250K on the H200 (run 24)."""
     rows, N = s.shape
     TILE = 2048
@@ -148,13 +169,12 @@ def kth_largest_triton(s: torch.Tensor, k: int) -> torch.Tensor:
     # latency-bound (H200 run 38)
     programs = max(1, min(triton.cdiv(N, TILE), 1024 // max(rows, 1)))
     hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=s.device)
-    state = torch.zeros(rows, 2, dtype=torch.int32, device=s.device)
-    state[:, 1] = k
+    state = torch.empty(rows, 2, dtype=torch.int32, device=s.device)   # written by the first pick
     kth = torch.empty(rows, dtype=torch.float32, device=s.device)
     for i, shift in enumerate((24, 16, 8, 0)):
         _radix_hist_kernel[(rows, programs)](s, state, hist[i], N, triton.cdiv(N, TILE * programs), programs, s.stride(0),
                                              SHIFT=shift, TILE=TILE)
-        _radix_pick_kernel[(rows,)](state, hist[i], kth, SHIFT=shift)
+        _radix_pick_kernel[(rows,)](state, hist[i], kth, k, SHIFT=shift)
     return kth
 
 
@@ -168,10 +188,9 @@ def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None) -> 
     grid = (rows, triton.cdiv(N, CH))
     counts = torch.empty(rows, grid[1], 2, dtype=torch.int32, device=s.device)
     _count_kernel[grid](s, kth, counts, N, s.stride(0), CH=CH)
-    before = (torch.cumsum(counts, 1, dtype=torch.int32) - counts).contiguous()
-    need = (k - counts[..., 0].sum(1)).to(torch.int32)
-    out = torch.full((rows, k), fill, dtype=torch.int32, device=s.device)
-    _compact_kernel[grid](s, kth, before, need, out, N, k, s.stride(0), out.stride(0), CH=CH)
+    out = torch.empty(rows, k, dtype=torch.int32, device=s.device)
+    _compact_kernel[grid](s, kth, counts, out, N, k, fill, s.stride(0), out.stride(0), CH=CH,
+                          NCP=max(16, triton.next_power_of_2(grid[1])))
     return out.view(*scores.shape[:-1], k)
 
 
