@@ -542,9 +542,30 @@ def _shared_keys_dedup_and_lifecycle(kernel):
     hb.remove_sequence(b)
     hb.remove_sequence(c)
     assert hb._free_ranges == [(0, 20)] and (hb.map == -1).all()
+    assert (hb._claim == torch.iinfo(torch.int32).max).all()   # the dedup scratch is left clean
     d = hb.add_sequence(num_tokens=400)  # 2.5% of 400 tokens
     assert hb._parts[d] == (0, 10)
     assert hb.seq_bytes(d) == 10 * hb.row_bytes
+
+
+@needs_interp
+def test_interp_admit_candidates_kernel_keeps_first_non_resident_occurrence():
+    from sketchkv.ops.clock_admit import admit_candidates_triton
+    g = torch.Generator().manual_seed(5)
+    S = 300
+    keys = torch.randint(0, S, (3, 900), generator=g)           # 2,700 keys over 3 programs, many repeats
+    keys[torch.rand(3, 900, generator=g) < 0.2] = -1
+    hot_map = torch.full((S + 1,), -1, dtype=torch.int16)
+    hot_map[torch.randperm(S, generator=g)[:100]] = 3           # resident keys
+    claim = torch.full((S + 1,), torch.iinfo(torch.int32).max, dtype=torch.int32)
+    out = admit_candidates_triton(keys, hot_map, claim)
+    seen, want = set(), []
+    for k in keys.flatten().tolist():
+        first = k >= 0 and hot_map[k] < 0 and k not in seen
+        seen.add(k)
+        want.append(k if first else -1)
+    assert out.flatten().tolist() == want
+    assert (claim == torch.iinfo(torch.int32).max).all()
 
 
 def test_hot_buffer_invalidate():
