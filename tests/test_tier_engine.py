@@ -530,6 +530,29 @@ def test_gpu_chunk_prefill_selection(gpu_ckpt, tier):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_gpu_admit_stream_same_tokens_and_hits(gpu_ckpt):
+    """Admits on the side stream (the default) against the current stream, CUDA graphs, int4 rows: the same greedy
+    tokens and the same hot-buffer hits and misses (the overlap changes when the admit runs, not what it does)."""
+    import gc
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6000, 4000, 2500, 900)]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    out = {}
+    for stream in (True, False):
+        llm = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(gpu_ckpt, **GPU_OPTS, sparse_host_tier=True, sparse_admit_stream=stream)
+        assert llm.engine.runner.graphs and (llm.engine.runner.tier.admit_stream is not None) == stream
+        toks = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+        s = llm.tier_stats()
+        out[stream] = (toks, s.hits, s.misses)
+        assert s.hits > 0 and s.misses > 0
+    assert out[True] == out[False]
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 def test_gpu_tier_decode_step_no_host_sync(gpu_ckpt, kernel):
     """One eager tiered decode forward (write, select, gather, attention, admit) with sync debug = error."""

@@ -284,7 +284,8 @@ class ModelRunner:
                                  hot_fraction=sp.hot_fraction, num_state_slots=self.num_state_slots,
                                  max_model_len=self.max_model_len, pool_rows=pool_rows, dtype=self.dtype,
                                  device=self.device, selector_bytes_per_block=self.selector_bytes_per_block,
-                                 kernel=sp.tier_kernel, ring_extra=self.cfg.num_speculative_tokens)
+                                 kernel=sp.tier_kernel, ring_extra=self.cfg.num_speculative_tokens,
+                                 admit_stream=sp.admit_stream)
             for m in self.tier_layers:
                 m.tier = self.tier
         for m in self.qsa_layers:  # block keys, paged like the KV; one extra (dump) row
@@ -511,9 +512,16 @@ class ModelRunner:
             return self._replay_verify(input_ids, positions, ctx, (ctx.sparse, *bucket)), ctx
         set_context(ctx)
         try:
-            return self.model(input_ids, positions), ctx
+            return self._model(input_ids, positions), ctx
         finally:
             set_context(None)
+
+    def _model(self, input_ids, positions) -> torch.Tensor:
+        """The model's forward; with the host tier the step ends by joining its admit stream (also in a capture)."""
+        hidden = self.model(input_ids, positions)
+        if self.tier is not None:
+            self.tier.join()
+        return hidden
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------
     def _graph_key(self, ctx: Context) -> tuple[bool, int, int] | None:
@@ -557,7 +565,7 @@ class ModelRunner:
         for sparse, bs, nb in [(f, b, n) for f in families for b in reversed(sizes) for n in reversed(self.g_tables)]:
             ctx = self._graph_context(bs, nb)
             ctx.sparse = sparse
-            step = lambda bs=bs: self.g_out[:bs].copy_(self.model(self.g_ids[:bs], self.g_pos[:bs]))
+            step = lambda bs=bs: self.g_out[:bs].copy_(self._model(self.g_ids[:bs], self.g_pos[:bs]))
             self.graphs[(sparse, bs, nb)], pool = self._capture(ctx, step, pool)
         if self.spec is not None and not self.state_layers:
             try:
@@ -665,7 +673,7 @@ class ModelRunner:
                           verify_group=self.v_group[:r], verify_lasts=self.v_lasts[:bs])
             if self.tier is not None:
                 ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
-            step = lambda r=r: self.v_out[:r].copy_(self.model(self.v_ids[:r], self.v_pos[:r]))
+            step = lambda r=r: self.v_out[:r].copy_(self._model(self.v_ids[:r], self.v_pos[:r]))
             self.verify_graphs[(sparse, bs, nb)], pool = self._capture(ctx, step, pool)
             contexts[(bs, nb)] = ctx
         try:

@@ -75,7 +75,8 @@ class HostTier:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  fmt: str, sinks: int, recent: int, hot_fraction: float, num_state_slots: int,
                  max_model_len: int, pool_rows: int, dtype: torch.dtype, device: torch.device,
-                 selector_bytes_per_block: int = 0, kernel: str = "torch", ring_extra: int = 0):
+                 selector_bytes_per_block: int = 0, kernel: str = "torch", ring_extra: int = 0,
+                 admit_stream: bool = False):
         self.L, self.block_size, self.Hkv, self.D, self.dtype = num_layers, block_size, num_kv_heads, head_dim, dtype
         self.kernel = kernel                            # "torch" | "triton": ops/tier_gather.py, ops/clock_admit.py
         self.sinks, self.recent = sinks, max(recent, 1)
@@ -95,6 +96,10 @@ class HostTier:
         self.max_part_rows = max(1, min(pool_rows, self.hot.rows_for(max_model_len)))
         self.selector_bytes_per_block = selector_bytes_per_block  # the layers' selector state (sketch | QSA keys)
         self._unfilled: set[int] = set()                # sequences whose resident rows are not set up yet
+        # admits on a side stream (CUDA): off the critical path, joined at the step's end (join); _pending keeps
+        # the step's tensors the side stream reads alive until then (no reuse by the main stream's allocations)
+        self.admit_stream = torch.cuda.Stream(device) if admit_stream and device.type == "cuda" else None
+        self._pending: list = []
 
     # ---- sizes ------------------------------------------------------------------------------------
     @staticmethod
@@ -230,8 +235,24 @@ class HostTier:
         return k, v, miss, rec.view(B, Np, -1)
 
     def admit(self, layer: int, pids, miss: torch.Tensor, records: torch.Tensor, graph: bool = False) -> torch.Tensor:
-        """After the step's attention: the misses (gather's miss keys and records) into the hot buffer."""
-        return self.hot.admit(layer, pids, miss, records, max_cap=self.max_part_rows if graph else None)
+        """After the step's attention: the misses (gather's miss keys and records) into the hot buffer. With the
+        admit stream the work is only enqueued there; the pool rows returned are valid after join()."""
+        cap = self.max_part_rows if graph else None
+        if self.admit_stream is None:
+            return self.hot.admit(layer, pids, miss, records, max_cap=cap)
+        self.admit_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.admit_stream):
+            rows = self.hot.admit(layer, pids, miss, records, max_cap=cap)
+        self._pending.append((pids, miss, records, rows))
+        return rows
+
+    def join(self) -> None:
+        """End of a step: the current stream waits for the admits enqueued on the side stream (the next step's
+        lookups and the layer-0 invalidation read every layer's hot buffer). Also inside a CUDA-graph capture,
+        which must join every stream it forked."""
+        if self._pending:
+            torch.cuda.current_stream().wait_stream(self.admit_stream)
+            self._pending.clear()
 
     # ---- accounting ---------------------------------------------------------------------------------
     def stats(self) -> TierStats:
