@@ -550,7 +550,7 @@ def _shared_keys_dedup_and_lifecycle(kernel):
 
 @needs_interp
 def test_interp_admit_candidates_kernel_keeps_first_non_resident_occurrence():
-    from sketchkv.ops.clock_admit import admit_candidates_triton
+    from sketchkv.ops.clock_admit import admit_candidates_ref, admit_candidates_triton
     g = torch.Generator().manual_seed(5)
     S = 300
     keys = torch.randint(0, S, (3, 900), generator=g)           # 2,700 keys over 3 programs, many repeats
@@ -565,6 +565,8 @@ def test_interp_admit_candidates_kernel_keeps_first_non_resident_occurrence():
         seen.add(k)
         want.append(k if first else -1)
     assert out.flatten().tolist() == want
+    assert (claim == torch.iinfo(torch.int32).max).all()
+    assert torch.equal(admit_candidates_ref(keys, hot_map, claim), out)
     assert (claim == torch.iinfo(torch.int32).max).all()
 
 

@@ -213,25 +213,17 @@ class HotBuffer:
         else:
             pid_t = torch.tensor(pids, dtype=torch.int64, device=dev)
         keys = keys.to(dev).long()
-        if self.kernel == "triton" and clock_admit.triton is not None and (
-                dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-            # steps 1-5 below in three kernels (+ the rows' copy)
-            cand = clock_admit.admit_candidates_triton(keys, self.map[layer], self._claim)
-            return clock_admit.clock_admit_triton(cand, pid_t, self.part_base, self.part_cap, self.hand[layer],
+        # 1. which keys to admit: picks, not resident, first occurrence in the batch (row-major order)
+        triton_ok = self.kernel == "triton" and clock_admit.triton is not None and (
+            dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+        candidates = clock_admit.admit_candidates_triton if triton_ok else clock_admit.admit_candidates_ref
+        keys = candidates(keys, self.map[layer], self._claim)
+        if triton_ok:  # steps 2-5 below in one kernel (+ the rows' copy)
+            return clock_admit.clock_admit_triton(keys, pid_t, self.part_base, self.part_cap, self.hand[layer],
                                                   self.used[layer], self.ref[layer], self.key[layer],
                                                   self.map[layer], src.to(dev, self.dtype), self.rows[layer],
                                                   self.window)
-        # 1. which keys to admit: picks, not resident, first occurrence in the batch (row-major order)
         valid = keys >= 0
-        valid &= self.map[layer, torch.where(valid, keys, self.dump_key)] < 0
-        # a key picked by several rows (sequences sharing a prefix block) is admitted once, by its first row:
-        # each key claims the smallest flat index among its rows (a scatter-min into the per-slot scratch, reset
-        # after; deterministic: a min)
-        flat = torch.where(valid, keys, self.dump_key).flatten()
-        idx = torch.arange(flat.numel(), dtype=self._claim.dtype, device=dev)
-        self._claim.scatter_reduce_(0, flat, idx, "amin")
-        valid &= (self._claim[flat] == idx).view(B, N)
-        self._claim.index_fill_(0, flat, torch.iinfo(self._claim.dtype).max)
         # the lap's static width (the Triton kernel's lap ends at `used` instead)
         if max_cap is not None:
             C = max_cap

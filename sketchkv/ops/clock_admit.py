@@ -13,8 +13,8 @@ one program per sequence of the batch walks its partition:
      enters, the row's key and bit are set.
 A second kernel, one program per (sequence, tile of rows), copies the admitted rows (the host tier: the
 misses' host records, as its gather kept them) from the step's scratch into the pool.
-Before it, `admit_candidates_triton` (two kernels) drops keys already resident and repeats of a key within
-the batch (a prefix-shared miss is admitted once, by its first row), as `HotBuffer.admit` does in PyTorch.
+Before it, `admit_candidates_triton` (two kernels; reference `admit_candidates_ref`) drops keys already
+resident and repeats of a key within the batch (a prefix-shared miss is admitted once, by its first row).
 Interpreter-tested against the PyTorch admit; GPU-tested (runs 13, 16); measured in run 17 (0.85 ms per
 27B step at 8 x 250K for 16 layers): the engine's default (SparseConfig.tier_kernel).
 """
@@ -143,10 +143,24 @@ if triton is not None:
         tl.store(out_ptr + i, tl.where(ok & (old == i), k, -1), mask=i < n)
 
 
+def admit_candidates_ref(keys: torch.Tensor, hot_map: torch.Tensor, claim: torch.Tensor) -> torch.Tensor:
+    """keys [B, N] host slots (< 0: nothing) -> the same with -1 for a key already resident (hot_map, the layer's;
+    its last entry: the dump key) or picked by an earlier row of the batch (row-major: a prefix-shared miss is
+    admitted once, by its first row). claim: int32 [num_slots + 1] scratch, int32 max everywhere, left so: each
+    key claims the smallest flat index among its rows (a scatter-min: deterministic)."""
+    dump = hot_map.shape[0] - 1
+    valid = keys >= 0
+    valid &= hot_map[torch.where(valid, keys, dump)] < 0
+    flat = torch.where(valid, keys, dump).flatten()
+    idx = torch.arange(flat.numel(), dtype=claim.dtype, device=keys.device)
+    claim.scatter_reduce_(0, flat, idx, "amin")
+    valid &= (claim[flat] == idx).view_as(keys)
+    claim.index_fill_(0, flat, torch.iinfo(claim.dtype).max)
+    return torch.where(valid, keys, -1)
+
+
 def admit_candidates_triton(keys: torch.Tensor, hot_map: torch.Tensor, claim: torch.Tensor) -> torch.Tensor:
-    """keys [B, N] host slots (< 0: nothing) -> the same with -1 for a key already resident (hot_map, the layer's)
-    or picked by an earlier row of the batch (row-major: a prefix-shared miss is admitted once, by its first
-    row). claim: int32 [num_slots + 1] scratch, int32 max everywhere, left so. Two kernels."""
+    """admit_candidates_ref in two kernels (an atomic-min claim, then a compare-and-swap reset by the winner)."""
     keys = keys.contiguous()
     out = torch.empty_like(keys)
     n, BLOCK = keys.numel(), 1024
