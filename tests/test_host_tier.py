@@ -315,10 +315,13 @@ def test_interp_store_write_kernel_roundtrip(fmt):
     got = store.read_rows_ref(0, slots[ok])
     want = qk.unpack_kv(qk.pack_kv(k[ok], v[ok], fmt), fmt, 32)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert store.stats().pcie_write_bytes == 29 * store.row_bytes    # counted by the kernel
     dst = torch.zeros(20, 48, dtype=torch.uint8)
     src = torch.randint(0, 256, (6, 48), dtype=torch.uint8)
     s = torch.tensor([3, -1, 19, 0, 7, 11])
-    assert torch.equal(host_scatter_rows(dst.clone(), s, src), host_scatter_rows_ref(dst.clone(), s, src))
+    c, c_ref = torch.tensor([5]), torch.tensor([5])    # counting bytes written onto what is there
+    assert torch.equal(host_scatter_rows(dst.clone(), s, src, c), host_scatter_rows_ref(dst.clone(), s, src, c_ref))
+    assert c.item() == c_ref.item() == 5 + 5 * 48
 
 
 @needs_interp
@@ -724,6 +727,24 @@ def test_interp_compose_rows_kernel_vs_ref(map_dtype):
     assert torch.equal(k0[keep], k1[keep]) and torch.equal(v0[keep], v1[keep])
     assert torch.equal(r0[:P], r1[:P]) and r0.sum() > 0
     assert torch.equal(c0, c1) and c0[0] == (h0 >= 0).sum() and c0[1] == (m0 >= 0).sum()
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interp_write_resident_kernel_vs_ref(dtype):
+    """A step's new K/V into the resident rows (k / v strided views, as from a fused projection) = two
+    index_copy_, bitwise."""
+    from sketchkv.ops.tier_gather import write_resident, write_resident_ref
+    g = torch.Generator().manual_seed(9)
+    kv = torch.randn(5, 2, 4, 32, generator=g).to(dtype)       # [T, k|v, Hkv, D]: strided views
+    k, v = kv[:, 0], kv[:, 1]
+    rows = torch.tensor([3, 0, 7, 9, 6])
+    want = [torch.randn(10, 4, 32, generator=g) for _ in range(2)]
+    got = [x.clone() for x in want]
+    write_resident_ref(*want, rows, k, v)
+    write_resident(*got, rows, k, v)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0][rows], k.float()) and torch.equal(got[1][rows], v.float())
 
 
 # ---- interpreter child -------------------------------------------------------------------------------

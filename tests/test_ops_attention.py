@@ -187,6 +187,29 @@ def test_interp_decode_kernel_row_groups(indexed, nan_empty):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@needs_interp
+@pytest.mark.parametrize("grouped", [False, True])
+def test_interp_decode_kernel_own_blocks(grouped, nan_empty):
+    """block_tables=None (row b's blocks are b * nb + j: the host tier's compact scratch) == the same layout
+    through an explicit table, bitwise, and == the reference (which builds that table)."""
+    B, nb, bs, Hkv, D = (3, 4, 16, 2, 32)
+    g = torch.Generator().manual_seed(11)
+    k_cache = torch.randn(B * nb, bs, Hkv, D, generator=g)
+    v_cache = torch.randn(B * nb, bs, Hkv, D, generator=g)
+    table = torch.arange(B * nb, dtype=torch.int32).view(B, nb)
+    if grouped:
+        groups, lens = grouped_rows([60, 1, 33], [2, 1, 3])
+    else:
+        groups, lens = None, torch.tensor([60, 1, 33], dtype=torch.int32)
+    q = torch.randn(lens.shape[0], 3 * Hkv, D, generator=g)
+    kw = dict(block_n=16, min_split_tokens=16, row_groups=groups)
+    out = paged_attention_decode(q, k_cache, v_cache, None, lens, 0.2, **kw)
+    assert torch.equal(out, paged_attention_decode(q, k_cache, v_cache, table, lens, 0.2, **kw))
+    rows = table if groups is None else table[groups[2]]
+    torch.testing.assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, rows, lens, 0.2),
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_interpreter_child():
     run_interpreter_tests(__file__, pa._INTERPRETED)
 

@@ -352,6 +352,13 @@ def test_interp_conv_rows_kernel():
     upto = (rows0[:, None] + torch.arange(5)[None])[torch.arange(5)[None] <= kept[:, None]]
     torch.testing.assert_close(y[upto], y_ref[upto], atol=1e-5, rtol=1e-5)
     assert torch.equal(before, st_ref)
+    # rows0=None (the decode and verification layout, rows n * T + t, without an index tensor): the same bits
+    x, w, b, states, slots, rows0, kept = conv_rows_case(3, 5, D, W, seed=3)
+    st_none = states.clone()
+    y_rows = causal_conv1d_rows(x, w, b, states, slots, rows0, 5, kept, write=True)
+    y_none = causal_conv1d_rows(x, w, b, st_none, slots, None, 5, kept, write=True)
+    upto = (rows0[:, None] + torch.arange(5)[None])[torch.arange(5)[None] <= kept[:, None]]
+    assert torch.equal(y_rows[upto], y_none[upto]) and torch.equal(states, st_none)
 
 
 @needs_interp
@@ -386,6 +393,13 @@ def test_interp_gdn_rows_kernel():
     rows0 = torch.arange(3) * 4
     torch.testing.assert_close(gated_delta_rule_positions(q, k, v, g, beta, before, slots).flatten(0, 1),
                                gated_delta_rule_rows_ref(*flat, before.clone(), slots, rows0, 4), atol=1e-5, rtol=1e-5)
+    # rows0=None (rows n * T + t without an index tensor, as decode and verification call it): the same bits
+    st_rows, st_none = before.clone(), before.clone()
+    kept = torch.tensor([1, 3, 0])
+    o_rows = gated_delta_rule_rows(*flat, st_rows, slots, rows0, 4, kept, write=True)
+    o_none = gated_delta_rule_rows(*flat, st_none, slots, None, 4, kept, write=True)
+    upto = (rows0[:, None] + torch.arange(4)[None])[torch.arange(4)[None] <= kept[:, None]]
+    assert torch.equal(o_rows[upto], o_none[upto]) and torch.equal(st_rows, st_none)
 
 
 # --- GPU, real sizes ------------------------------------------------------------------------------

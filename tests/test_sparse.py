@@ -10,8 +10,8 @@ from sketchkv.errors import CheckpointError
 from sketchkv.kv.basis import KeyBasis
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
-from sketchkv.ops.sketch import (dequantize_int4, quantize_int4, sketch_score, sketch_score_dot,
-                                 sketch_score_ref, softmax_combine)
+from sketchkv.ops.sketch import (dequantize_int4, project_queries, project_queries_ref, quantize_int4, sketch_score,
+                                 sketch_score_dot, sketch_score_ref, softmax_combine)
 from sketchkv.ops.selection import compose_selection, compose_selection_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk, topk_positions, topk_positions_torch,
@@ -358,6 +358,29 @@ def test_interp_sketch_write_kernel_matches_reference(H, D, r):
 @pytest.mark.gpu
 def test_gpu_sketch_write_kernel_matches_reference():
     _assert_sketch_write_matches(*_sketch_write_case(4, 256, 64, 64, "cuda"))
+
+
+def _assert_project_queries_matches(B, Hkv, G, D, r, device="cpu"):
+    """The query projection kernel = the einsum reference up to fp32 rounding: bf16 queries as a strided view of
+    a fused projection's output (the engine's q), each group alone and summed (the "sum" combine)."""
+    g = torch.Generator().manual_seed(B * G + r)
+    qg = torch.randn(B, Hkv * G, 2 * D, generator=g).to(torch.bfloat16).to(device)[..., :D].unflatten(1, (Hkv, G))
+    basis = torch.randn(Hkv, D, r, generator=g).to(device) / D ** 0.5
+    for sum_groups in (False, True):
+        got, want = project_queries(qg, basis, sum_groups), project_queries_ref(qg, basis, sum_groups)
+        assert got.shape == want.shape == (B, Hkv, 1 if sum_groups else G, r)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_interp
+@pytest.mark.parametrize("B,Hkv,G,D,r", [(3, 4, 6, 256, 64), (2, 2, 1, 32, 8), (1, 1, 16, 64, 16)])
+def test_interp_project_queries_kernel_matches_reference(B, Hkv, G, D, r):
+    _assert_project_queries_matches(B, Hkv, G, D, r)
+
+
+@pytest.mark.gpu
+def test_gpu_project_queries_kernel_matches_reference():
+    _assert_project_queries_matches(8, 4, 6, 256, 64, "cuda")
 
 
 def test_interpreter_child():

@@ -61,6 +61,11 @@ class TierCounters:
     def __init__(self, device):
         self.t = torch.zeros(len(self.NAMES), dtype=torch.int64, device=device)
 
+    def cell(self, name: str) -> torch.Tensor:
+        """The counter as an int64 [1] view, for kernels that count as they go."""
+        i = self.NAMES.index(name)
+        return self.t[i:i + 1]
+
     def add(self, name: str, value) -> None:
         i = self.NAMES.index(name)
         if isinstance(value, torch.Tensor):
@@ -166,20 +171,20 @@ class HostKVStore:
             return
         packed = pack_kv(k, v, self.fmt).reshape(T, self.row_bytes)
         dst = self.rows(layer)
-        n_ok = (slots >= 0).sum()
+        written = self.counters.cell("pcie_write_bytes")   # counted by the scatter itself
         if not packed.is_cuda:
-            host_scatter_rows(dst, slots, packed)
+            host_scatter_rows(dst, slots, packed, written)
         elif self.pin:
             slots = slots.to(packed.device).contiguous()
             if torch.cuda.is_current_stream_capturing():
-                host_scatter_rows(dst, slots, packed)  # in the captured stream: no fork to join
+                host_scatter_rows(dst, slots, packed, written)  # in the captured stream: no fork to join
             else:
                 cur = torch.cuda.current_stream(packed.device)
                 if self._stream is None:
                     self._stream = torch.cuda.Stream(packed.device)
                 self._stream.wait_stream(cur)
                 with torch.cuda.stream(self._stream):
-                    host_scatter_rows(dst, slots, packed)
+                    host_scatter_rows(dst, slots, packed, written)
                     ev = self._events[layer] or torch.cuda.Event()
                     ev.record(self._stream)
                 self._events[layer] = ev
@@ -187,7 +192,7 @@ class HostKVStore:
                 slots.record_stream(self._stream)
         else:  # CUDA tensors into a pageable store: stage through the host (syncs)
             host_scatter_rows(dst, slots.cpu(), packed.cpu())
-        self.counters.add("pcie_write_bytes", n_ok * self.row_bytes)
+            self.counters.add("pcie_write_bytes", (slots >= 0).sum() * self.row_bytes)
 
     def wait(self, layer: int | None = None, stream=None) -> None:
         """Make `stream` (default: current) wait for pending writes of `layer` (all if None). GPU-side."""
@@ -224,7 +229,9 @@ class HostKVStore:
         return dst_k, dst_v
 
     def stats(self) -> TierStats:
-        """Counters so far (one host sync) plus the bytes held."""
+        """Counters so far (one host sync, after the pending writes: their stream counts them) plus the bytes
+        held."""
+        self.synchronize()
         return TierStats(**self.counters.snapshot(), host_bytes=self.total_bytes)
 
     def __repr__(self) -> str:

@@ -39,6 +39,7 @@ selector state (sketches | QSA block keys) of all host blocks, the slot map, the
 every state slot and the hot pool, which gets the rest. A request whose prompt cannot fit (host blocks, or its minimum hot partition)
 is refused at add_request (CapacityError); one that fits but finds no free hot rows waits.
 """
+import contextlib
 import math
 
 import torch
@@ -48,7 +49,7 @@ from sketchkv.kv.host_store import HostKVStore, TierStats, positions_to_slots
 from sketchkv.kv.hot_buffer import HotBuffer
 from sketchkv.ops.host_gather import host_gather
 from sketchkv.ops.quant_kv import head_record_bytes
-from sketchkv.ops.tier_gather import compose_rows
+from sketchkv.ops.tier_gather import compose_rows, write_resident
 
 SENTINEL = torch.iinfo(torch.int32).max
 ATTN_BLOCK = 16  # the compact scratch is read by the paged decode kernel as blocks of this many rows
@@ -189,14 +190,16 @@ class HostTier:
 
     # ---- one step of one layer (device side, no host sync) ------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, resident_rows: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+              v: torch.Tensor, off_path: bool = False) -> None:
         """New tokens: K/V to the host rows (async), to the resident rows (sinks, recent ring), and
-        forget any hot row held for a slot that now gets new content."""
-        self.store.write(layer, slots, k, v)
+        forget any hot row held for a slot that now gets new content. off_path (decode steps): the host rows on
+        the side stream: no row of the step's tokens is read from the host before the step ends (the tokens
+        are in the recent window, read from the resident rows)."""
+        with self.side(slots, k, v) if off_path else contextlib.nullcontext():
+            self.store.write(layer, slots, k, v)
         if layer == 0:  # every layer's hot rows of these slots at once (no layer picks a new token: it is recent)
             self.hot.invalidate(slots)
-        self.res_k[layer].index_copy_(0, resident_rows, k.to(self.dtype))
-        self.res_v[layer].index_copy_(0, resident_rows, v.to(self.dtype))
+        write_resident(self.res_k[layer], self.res_v[layer], resident_rows, k, v)
 
     def read_prefix(self, layer: int, block_table: torch.Tensor, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of tokens 0..n-1 of one sequence, read back from the host rows: [n, Hkv, D] each."""
@@ -238,13 +241,24 @@ class HostTier:
         """After the step's attention: the misses (gather's miss keys and records) into the hot buffer. With the
         admit stream the work is only enqueued there; the pool rows returned are valid after join()."""
         cap = self.max_part_rows if graph else None
+        with self.side(pids, miss, records) as keep:
+            rows = self.hot.admit(layer, pids, miss, records, max_cap=cap)
+            keep.append(rows)
+        return rows
+
+    @contextlib.contextmanager
+    def side(self, *tensors):
+        """Run the enclosed work on the side stream (CUDA, admit_stream on; else where it is): it forks from the
+        current stream here and is joined at the step's end (join). The tensors it reads (and what it appends
+        to the yielded list) are kept alive until then, so the main stream's allocations cannot reuse them."""
+        keep = list(tensors)
         if self.admit_stream is None:
-            return self.hot.admit(layer, pids, miss, records, max_cap=cap)
+            yield keep
+            return
         self.admit_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.admit_stream):
-            rows = self.hot.admit(layer, pids, miss, records, max_cap=cap)
-        self._pending.append((pids, miss, records, rows))
-        return rows
+            yield keep
+        self._pending.append(keep)
 
     def join(self) -> None:
         """End of a step: the current stream waits for the admits enqueued on the side stream (the next step's

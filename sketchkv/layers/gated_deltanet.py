@@ -96,11 +96,10 @@ class GatedDeltaNet(nn.Module):
         vr, T = ctx.verify, qkv.shape[0]
         seq_slots = vr.steps[0][1]          # every decoding sequence has a row at position 0
         if vr.regular:  # [N, Q] rows: the conv and the recurrence over all positions, one kernel each, no writes
-            N, Q = T // vr.regular, vr.regular
-            rows0 = torch.arange(N, device=qkv.device) * Q
-            y = causal_conv1d_rows(qkv, w, None, self.conv_state, seq_slots, rows0, Q)
+            Q = vr.regular
+            y = causal_conv1d_rows(qkv, w, None, self.conv_state, seq_slots, None, Q)   # rows n * Q + t
             self._keep(qkv, y, g, beta)
-            o = gated_delta_rule_rows(*self._qkv_heads(y), g, beta, self.ssm_state, seq_slots, rows0, Q)
+            o = gated_delta_rule_rows(*self._qkv_heads(y), g, beta, self.ssm_state, seq_slots, None, Q)
             return self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         qkv = qkv.contiguous()
         conv_work = self.conv_state[seq_slots]      # transient copy (the recurrent state is read in place)

@@ -20,7 +20,7 @@ from sketchkv.config import SparseConfig
 from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
 from sketchkv.ops.selection import SENTINEL, compose_selection
-from sketchkv.ops.sketch import exact_key_scores, sketch_keys_ref, sketch_score, sketch_write
+from sketchkv.ops.sketch import exact_key_scores, project_queries, sketch_keys_ref, sketch_score, sketch_write
 from sketchkv.ops.prefill_attention import prefix_causal_attention
 from sketchkv.ops.sparse_attention import sparse_attention
 from sketchkv.ops.topk import topk_positions
@@ -48,8 +48,12 @@ class SparseAttention(Attention):
         return sketch_keys_ref(k, self.mean, self.basis)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        sketch_write(k, self.mean, self.basis, self.sketch, self.sketch_scale, get_context().slot_mapping)
+        self.write_sketches(k)
         return super().forward(q, k, v)
+
+    def write_sketches(self, k: torch.Tensor) -> None:
+        """The new tokens' sketches at their cache slots."""
+        sketch_write(k, self.mean, self.basis, self.sketch, self.sketch_scale, get_context().slot_mapping)
 
     def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:
         if not sparse:
@@ -71,19 +75,20 @@ class SparseAttention(Attention):
         """The top-k positions by the selector's scores (sinks and recent excluded): [B, Hsel, k]."""
         B = q.shape[0]
         G = self.num_heads // self.num_kv_heads
-        return self.pick_grouped(q.float().view(B, self.num_kv_heads, G, self.head_dim), block_tables, seq_lens,
-                                 max_len)
+        return self.pick_grouped(q.view(B, self.num_kv_heads, G, self.head_dim), block_tables, seq_lens, max_len)
 
     def pick_grouped(self, qg, block_tables, seq_lens, max_len: int) -> torch.Tensor:
-        """pick for queries grouped by KV head, [B, Hkv, G, D] (G: any number of query vectors per KV head)."""
+        """pick for queries grouped by KV head, [B, Hkv, G, D] (G: any number of query vectors per KV head).
+        With the sum combine, scores are linear in q: one dot per KV head with the group's sum."""
         c = self.cfg
-        if c.head_combine == "sum":  # scores are linear in q: one dot per KV head with the group sum
-            qg = qg.sum(2, keepdim=True)
         if c.selector == "exact":  # the oracle: full keys instead of the sketch (evaluation)
+            qg = qg.float()
+            if c.head_combine == "sum":
+                qg = qg.sum(2, keepdim=True)
             scores = exact_key_scores(qg, self.k_cache, block_tables, seq_lens, c.sink_tokens, c.recent_tokens,
                                       max_len, c.shared_selection, c.head_combine, self.scale)
         else:
-            qp = torch.einsum("bhgd,hdr->bhgr", qg, self.basis)
+            qp = project_queries(qg, self.basis, c.head_combine == "sum")
             scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens, c.sink_tokens,
                                   c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale,
                                   kernel=c.score_kernel)

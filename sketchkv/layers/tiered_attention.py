@@ -22,6 +22,8 @@ sequence (sparse verify_selection=shared) the sequence's rows are read once, for
 Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier (or, with
 prefill_selection=chunk, over the rows one selection per chunk picked: only those are read).
 """
+import contextlib
+
 import torch
 
 from sketchkv.engine.context import get_context
@@ -31,6 +33,13 @@ from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops.paged_attention import paged_attention_decode
 
 
+def plain_decode(ctx) -> bool:
+    """One new token per sequence and no drafts: the step reads none of its own tokens from the host rows (they
+    are in the resident recent ring), so their host rows (and, with a recent window, sketches) may be written
+    off the critical path. (A verification step's later rows could pick an earlier row's draft.)"""
+    return ctx.is_decode and ctx.verify is None and ctx.verify_leaders is None
+
+
 class TieredKV:
     """Mixin (before the selector layer in the bases): K/V storage and decode through the host tier."""
     layer: int      # index among the tier's layers
@@ -38,7 +47,7 @@ class TieredKV:
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         ctx = get_context()
-        self.tier.write(self.layer, ctx.slot_mapping, ctx.resident_rows, k, v)
+        self.tier.write(self.layer, ctx.slot_mapping, ctx.resident_rows, k, v, off_path=plain_decode(ctx))
 
     def context_kv(self, block_table, cached: int, k, v):
         kp, vp = self.tier.read_prefix(self.layer, block_table, cached, k.dtype)
@@ -68,10 +77,9 @@ class TieredKV:
                                                seq_lens[read], state_slots[read])
         B, Np = miss.shape
         nb = Np // ATTN_BLOCK
-        tables = torch.arange(B * nb, device=q.device, dtype=torch.int32).view(B, nb)   # row b: its own nb blocks
         out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                     tables, counts, self.scale, row_groups=groups)
+                                     None, counts, self.scale, row_groups=groups)   # row b: its own nb blocks
         if lasts is not None:
             pids = pids[lasts]
         elif ctx.verify_leaders is not None:
@@ -89,6 +97,14 @@ class TieredAttention(TieredKV, SparseAttention):
     def __init__(self, sparse: SparseAttention, layer: int):
         SparseAttention.__init__(self, sparse, sparse.cfg, sparse.basis, sparse.mean, sparse.dense_threshold)
         self.layer = layer
+
+    def write_sketches(self, k: torch.Tensor) -> None:
+        ctx = get_context()
+        # a decode step never scores its own tokens (they are in the recent window): their sketches are written on
+        # the tier's side stream, off the step's critical path (with no recent window, before the scoring)
+        off_path = plain_decode(ctx) and self.cfg.recent_tokens > 0
+        with self.tier.side(k, ctx.slot_mapping) if off_path else contextlib.nullcontext():
+            SparseAttention.write_sketches(self, k)
 
 
 class TieredIndexedAttention(TieredKV, IndexedAttention):

@@ -69,6 +69,8 @@ def causal_conv1d_varlen_fla(x, weight, bias, states, state_slots, cu_seqlens):
 def causal_conv1d_rows_ref(x, weight, bias, states, slots, rows0, T: int, kept=None, write: bool = False):
     """See causal_conv1d_rows."""
     N = slots.shape[0]
+    if rows0 is None:
+        rows0 = torch.arange(N, device=x.device) * T
     work = states[slots].clone()
     local = torch.arange(N, device=x.device)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -92,9 +94,11 @@ if triton is not None:
     @triton.jit
     def _conv_rows_kernel(x_ptr, w_ptr, b_ptr, s_ptr, slots_ptr, rows0_ptr, kept_ptr, y_ptr, T, D, stride_x, stride_y,
                           W: tl.constexpr, WP: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          WRITE: tl.constexpr, HAS_KEPT: tl.constexpr, STORE_Y: tl.constexpr):
-        # program (sequence n, BD channels): positions t = 0..T-1 are rows rows0[n] + t. The window of position t
-        # is inputs t-W+1 .. t: rows of x for i >= 0, columns W+i of the slot's state (its last inputs) for i < 0.
+                          WRITE: tl.constexpr, HAS_KEPT: tl.constexpr, STORE_Y: tl.constexpr,
+                          HAS_ROWS0: tl.constexpr):
+        # program (sequence n, BD channels): positions t = 0..T-1 are rows rows0[n] + t (no rows0: n * T + t).
+        # The window of position t is inputs t-W+1 .. t: rows of x for i >= 0, columns W+i of the slot's state
+        # (its last inputs) for i < 0.
         # WRITE: the state after position `last` (kept[n], or T - 1) replaces the slot's, after a barrier (every
         # read of the old state first; this program owns these channels of this slot).
         n = tl.program_id(0)
@@ -103,7 +107,10 @@ if triton is not None:
         ow = tl.arange(0, WP)
         mw = ow < W
         slot = tl.load(slots_ptr + n).to(tl.int64)
-        row0 = tl.load(rows0_ptr + n).to(tl.int64)
+        if HAS_ROWS0:
+            row0 = tl.load(rows0_ptr + n).to(tl.int64)
+        else:
+            row0 = n.to(tl.int64) * T
         p_s = s_ptr + (slot * D + od[:, None]) * W
         w = tl.load(w_ptr + od[:, None] * W + ow[None, :], mask=md[:, None] & mw[None, :], other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -141,9 +148,10 @@ if triton is not None:
 def causal_conv1d_rows(x, weight, bias, states, slots, rows0, T: int, kept=None, write: bool = False,
                        store_y: bool = True):
     """T positions of N sequences over their state slots, without touching other slots: sequence n's positions
-    are rows rows0[n] + t of x [R, D] (rows may be strided; channels contiguous) -> y [R, D] at the same rows
-    (rows no sequence covers are left unset; None with store_y=False). write: the slot's state becomes the one
-    after position kept[n] (None: T - 1), i.e. its last W inputs; with kept, outputs past it are not written.
+    are rows rows0[n] + t (rows0 None: n * T + t) of x [R, D] (rows may be strided; channels contiguous) -> y [R, D]
+    at the same rows (rows no sequence covers are left unset; None with store_y=False). write: the slot's state
+    becomes the one after position kept[n] (None: T - 1), i.e. its last W inputs; with kept, outputs past it are not
+    written.
     Decode (T = 1, write), verification (T = 1 + n, no write) and the commit's replay (write, kept, no y) run this
     one kernel, so their arithmetic is the same. CUDA-graph capturable."""
     if not (x.is_cuda or (triton is not None and os.environ.get("TRITON_INTERPRET") == "1")):
@@ -157,9 +165,10 @@ def causal_conv1d_rows(x, weight, bias, states, slots, rows0, T: int, kept=None,
     BD = 256
     if N:
         _conv_rows_kernel[(N, triton.cdiv(D, BD))](
-            x, weight, bias if bias is not None else weight, states, slots, rows0, kept if kept is not None else slots,
-            y, T, D, x.stride(0), y.stride(0), W=W, WP=triton.next_power_of_2(W), BD=BD, HAS_BIAS=bias is not None,
-            WRITE=write, HAS_KEPT=kept is not None, STORE_Y=store_y, num_warps=4)
+            x, weight, bias if bias is not None else weight, states, slots, rows0 if rows0 is not None else slots,
+            kept if kept is not None else slots, y, T, D, x.stride(0), y.stride(0), W=W, WP=triton.next_power_of_2(W),
+            BD=BD, HAS_BIAS=bias is not None, WRITE=write, HAS_KEPT=kept is not None, STORE_Y=store_y,
+            HAS_ROWS0=rows0 is not None, num_warps=4)
     return y if store_y else None
 
 
@@ -175,6 +184,5 @@ def causal_conv1d_decode(x, weight, bias, states, state_slots):
     """x [N, D] (rows may be strided), one token per sequence -> [N, D]; each slot's state advanced in place.
     CUDA-graph capturable."""
     if x.is_cuda:
-        rows0 = torch.arange(x.shape[0], device=x.device)
-        return causal_conv1d_rows(x, weight, bias, states, state_slots, rows0, 1, write=True)
+        return causal_conv1d_rows(x, weight, bias, states, state_slots, None, 1, write=True)
     return causal_conv1d_decode_ref(x, weight, bias, states, state_slots)

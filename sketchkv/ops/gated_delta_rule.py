@@ -98,10 +98,12 @@ if triton is not None:
     def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, h_ptr, slots_ptr, rows0_ptr, kept_ptr, T, scale,
                          sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sb_r,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                         BV: tl.constexpr, WRITE: tl.constexpr, HAS_KEPT: tl.constexpr, STORE_O: tl.constexpr):
+                         BV: tl.constexpr, WRITE: tl.constexpr, HAS_KEPT: tl.constexpr, STORE_O: tl.constexpr,
+                         HAS_ROWS0: tl.constexpr):
         # program (sequence n, value head hv, BV value dims): the [Dk, BV] state tile in registers over the
-        # positions t (rows rows0[n] + t), read from the slot once and written at most once. HAS_KEPT: positions
-        # 0..kept[n] only (the commit's replay: the state after the kept position, no outputs needed).
+        # positions t (rows rows0[n] + t; no rows0: n * T + t), read from the slot once and written at most once.
+        # HAS_KEPT: positions 0..kept[n] only (the commit's replay: the state after the kept position, no outputs
+        # needed).
         n = tl.program_id(0)
         hv = tl.program_id(1)
         ov = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -109,7 +111,10 @@ if triton is not None:
         mk, mv = ok < DK, ov < DV
         hk = hv // (HV // HK)
         slot = tl.load(slots_ptr + n).to(tl.int64)
-        row0 = tl.load(rows0_ptr + n).to(tl.int64)
+        if HAS_ROWS0:
+            row0 = tl.load(rows0_ptr + n).to(tl.int64)
+        else:
+            row0 = n.to(tl.int64) * T
         p_h = h_ptr + ((slot * HV + hv) * DK + ok[:, None]) * DV + ov[None, :]
         h = tl.load(p_h, mask=mk[:, None] & mv[None, :], other=0.0)
         steps = T
@@ -138,6 +143,8 @@ def gated_delta_rule_rows_ref(q, k, v, g, beta, states, slots, rows0, T: int, ke
     """See gated_delta_rule_rows (one-token reference steps over a copy of the states)."""
     work = states[slots].clone()
     N = slots.shape[0]
+    if rows0 is None:
+        rows0 = torch.arange(N, device=q.device) * T
     local = torch.arange(N, device=q.device)
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     last = kept if kept is not None else torch.full((N,), T - 1, device=q.device)
@@ -158,10 +165,11 @@ def gated_delta_rule_rows_ref(q, k, v, g, beta, states, slots, rows0, T: int, ke
 
 def gated_delta_rule_rows(q, k, v, g, beta, states, slots, rows0, T: int, kept=None, write: bool = False,
                           store_o: bool = True):
-    """T positions of N sequences: sequence n's positions are rows rows0[n] + t of q, k [R, Hk, Dk], v [R, Hv, Dv]
-    (strided rows and heads are fine; the head dims contiguous), g, beta [R, Hv]; it starts from
-    states[slots[n]] -> o [R, Hv, Dv] at the same rows (others left unset; None with store_o=False). write: the
-    slot's state becomes the one after position kept[n] (None: T - 1); with kept, only positions up to it run.
+    """T positions of N sequences: sequence n's positions are rows rows0[n] + t (rows0 None: n * T + t) of
+    q, k [R, Hk, Dk], v [R, Hv, Dv] (strided rows and heads are fine; the head dims contiguous), g, beta [R, Hv];
+    it starts from states[slots[n]] -> o [R, Hv, Dv] at the same rows (others left unset; None with store_o=False).
+    write: the slot's state becomes the one after position kept[n] (None: T - 1); with kept, only positions up to
+    it run.
     Decode (T = 1, write), verification (T = 1 + n, no write) and the commit's replay (kept, write, no
     outputs) run the same kernel, so a replayed state is bitwise the one verification computed.
     CUDA-graph capturable."""
@@ -177,10 +185,11 @@ def gated_delta_rule_rows(q, k, v, g, beta, states, slots, rows0, T: int, kept=N
     BV = 32
     if N:
         _gdn_rows_kernel[(N, HV, triton.cdiv(DV, BV))](
-            q, k, v, g, beta, o, states, slots, rows0, kept if kept is not None else slots, T, DK ** -0.5,
+            q, k, v, g, beta, o, states, slots, rows0 if rows0 is not None else slots,
+            kept if kept is not None else slots, T, DK ** -0.5,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
             HK=HK, HV=HV, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=BV, WRITE=write, HAS_KEPT=kept is not None,
-            STORE_O=store_o, num_warps=4)
+            STORE_O=store_o, HAS_ROWS0=rows0 is not None, num_warps=4)
     return o if store_o else None
 
 
@@ -197,6 +206,5 @@ def gated_delta_rule_decode(q, k, v, g, beta, states, state_slots):
     """One token per sequence: q, k [N, Hk, Dk], v [N, Hv, Dv] (strided rows fine), g, beta [N, Hv] ->
     o [N, Hv, Dv]. States updated in place. CUDA-graph capturable; states must be contiguous."""
     if q.is_cuda:
-        rows0 = torch.arange(q.shape[0], device=q.device)
-        return gated_delta_rule_rows(q, k, v, g, beta, states, state_slots, rows0, 1, write=True)
+        return gated_delta_rule_rows(q, k, v, g, beta, states, state_slots, None, 1, write=True)
     return gated_delta_rule_decode_ref(q, k, v, g, beta, states, state_slots)

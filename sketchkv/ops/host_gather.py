@@ -87,10 +87,12 @@ def host_gather_ref(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, raw=None):
     return dst_k, dst_v
 
 
-def host_scatter_rows_ref(dst, slots, src):
-    """dst[slots[i]] = src[i] for slots[i] >= 0 (uint8 rows)."""
+def host_scatter_rows_ref(dst, slots, src, counter=None):
+    """dst[slots[i]] = src[i] for slots[i] >= 0 (uint8 rows); counter (int64 [1]): += the bytes written."""
     ok = slots >= 0
     dst[slots[ok].long().to(dst.device)] = src[ok.to(src.device)].to(dst.device)
+    if counter is not None:
+        counter += ok.sum().to(counter.device) * src.shape[1]
     return dst
 
 
@@ -182,15 +184,18 @@ if triton is not None:
         tl.store(vo, v.to(dv_ptr.dtype.element_ty), mask=m3)
 
     @triton.jit
-    def _scatter_rows_kernel(src_ptr, slots_ptr, dst_ptr, n,
-                             RW: tl.constexpr, RW_PAD: tl.constexpr, ROWS: tl.constexpr):
-        """dst[slots[i]] = src[i], rows of RW int32 words; slots < 0 skipped."""
+    def _scatter_rows_kernel(src_ptr, slots_ptr, dst_ptr, cnt_ptr, n,
+                             RW: tl.constexpr, RW_PAD: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr):
+        """dst[slots[i]] = src[i], rows of RW int32 words; slots < 0 skipped. COUNT: cnt_ptr[0] += bytes written
+        (one atomic per program: the tier's write counter without 4 torch kernels per layer and step)."""
         i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         s = tl.load(slots_ptr + i, mask=i < n, other=-1).to(tl.int64)
         w = tl.arange(0, RW_PAD)
         m = (s >= 0)[:, None] & (w < RW)[None, :]
         x = tl.load(src_ptr + i.to(tl.int64)[:, None] * RW + w[None, :], mask=m, other=0)
         tl.store(dst_ptr + s[:, None] * RW + w[None, :], x, mask=m)
+        if COUNT:
+            tl.atomic_add(cnt_ptr, tl.sum((s >= 0).to(tl.int64), 0) * (RW * 4))
 
     _INTERPRETED = not isinstance(_host_gather_kernel, triton.runtime.JITFunction)
 else:
@@ -273,7 +278,7 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, s
     return host_gather_ref(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
 
 
-def host_scatter_rows_triton(dst, slots, src, *, rows_per_program=8, num_warps=4):
+def host_scatter_rows_triton(dst, slots, src, counter=None, *, rows_per_program=8, num_warps=4):
     T, rb = src.shape
     assert dst.dtype == src.dtype == torch.uint8 and dst.shape[1] == rb and rb % 4 == 0
     assert dst.is_contiguous() and src.is_contiguous() and slots.is_contiguous()
@@ -282,15 +287,19 @@ def host_scatter_rows_triton(dst, slots, src, *, rows_per_program=8, num_warps=4
     if T == 0:
         return dst
     RW = rb // 4
+    if counter is not None:
+        assert counter.dtype == torch.int64 and counter.device == src.device
     _scatter_rows_kernel[(triton.cdiv(T, rows_per_program),)](
-        src.view(torch.int32), slots, dst.view(torch.int32), T,
-        RW=RW, RW_PAD=triton.next_power_of_2(RW), ROWS=rows_per_program, num_warps=num_warps)
+        src.view(torch.int32), slots, dst.view(torch.int32), counter if counter is not None else slots, T,
+        RW=RW, RW_PAD=triton.next_power_of_2(RW), ROWS=rows_per_program, COUNT=counter is not None,
+        num_warps=num_warps)
     return dst
 
 
-def host_scatter_rows(dst, slots, src, **kw):
-    """dst[slots[i]] = src[i] (uint8 rows; slots < 0 skipped). On CUDA a kernel writes straight into
-    the pinned dst (zero-copy, graph-capturable); on CPU an index copy."""
+def host_scatter_rows(dst, slots, src, counter=None, **kw):
+    """dst[slots[i]] = src[i] (uint8 rows; slots < 0 skipped); counter (int64 [1] on src's device, optional):
+    += the bytes written. On CUDA a kernel writes straight into the pinned dst (zero-copy,
+    graph-capturable); on CPU an index copy."""
     if _use_triton(src):
-        return host_scatter_rows_triton(dst, slots, src, **kw)
-    return host_scatter_rows_ref(dst, slots, src)
+        return host_scatter_rows_triton(dst, slots, src, counter, **kw)
+    return host_scatter_rows_ref(dst, slots, src, counter)

@@ -87,6 +87,7 @@ if triton is not None:
         G: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, MIN_TILES: tl.constexpr,
         UPCAST: tl.constexpr, INDEXED: tl.constexpr, QR: tl.constexpr, GROUPED: tl.constexpr,
+        OWN_BLOCKS: tl.constexpr = False,
     ):
         # GROUPED: program (group b, kv head, split) serves the up to QR query rows first[b]..last[b] that
         # attend to prefixes of one token list (block table / index row b): row r to its first seq_lens[r]
@@ -132,7 +133,10 @@ if triton is not None:
             else:
                 pos = t
             # masked lanes never read the -1 padding of the block table
-            blk = tl.load(bt_ptr + b * stride_btb + pos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+            if OWN_BLOCKS:  # no table: row b's blocks are b * stride_btb + j
+                blk = (b * stride_btb + pos // BLOCK_SIZE).to(tl.int64)
+            else:
+                blk = tl.load(bt_ptr + b * stride_btb + pos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
             off = pos % BLOCK_SIZE
             k = tl.load(k_ptr + (blk * stride_kn + off * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :],
                         mask=tmask[:, None], other=0.0)
@@ -225,11 +229,17 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     most_rows each; group [rows]: each row's g) that attend to prefixes of one token list: block_tables /
     indices then have one row per group, seq_lens one entry per query row (row r attends to the first
     seq_lens[r] tokens of its group's list, the last row of a group to the most), and each K/V tile is
-    read once per group."""
+    read once per group. block_tables None: row (or group) b's blocks are b * nb .. b * nb + nb - 1 with
+    nb = the cache's blocks / B (a scratch laid out row after row: the host tier's compact rows; no table to
+    build each step)."""
     R, Hq, D = q.shape
     firsts, lasts, group, most_rows = row_groups if row_groups is not None else (seq_lens, seq_lens, seq_lens, 1)
     B = firsts.shape[0] if row_groups is not None else R   # programs' sequences: groups, or rows
     _, block_size, Hkv, Dk = k_cache.shape
+    own = block_tables is None
+    if own:
+        assert k_cache.shape[0] % B == 0, "block_tables=None: the cache holds B rows of equally many blocks"
+        block_tables = torch.empty(B, k_cache.shape[0] // B, dtype=torch.int32, device=q.device)   # never read
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0
     assert 16 <= D <= 256 and D & (D - 1) == 0, "head_dim must be a power of two in [16, 256]"
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of two >= 16"
@@ -267,11 +277,11 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), stride_ib, stride_ih,
+        block_tables.shape[1] if own else block_tables.stride(0), stride_ib, stride_ih,
         G=G, M_PAD=m_pad, D=D,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, B_PAD=B_PAD, MIN_TILES=min_tiles, UPCAST=_INTERPRETED,
-        INDEXED=indices is not None, QR=most_rows, GROUPED=row_groups is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        INDEXED=indices is not None, QR=most_rows, GROUPED=row_groups is not None, OWN_BLOCKS=own,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(R, Hq)](
         mid_o, mid_lse, out, seq_lens, group, lasts, B, max_splits, split_target, out.stride(0), out.stride(1),
@@ -293,6 +303,10 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     if q.is_cuda or (_INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"):
         return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
                                              row_groups=row_groups, **kw)
+    if block_tables is None:   # row (group) b's own blocks, see paged_attention_decode_triton
+        B = row_groups[0].shape[0] if row_groups is not None else q.shape[0]
+        nb = k_cache.shape[0] // B
+        block_tables = torch.arange(B * nb, dtype=torch.int32, device=q.device).view(B, nb)
     if row_groups is not None:
         block_tables = expand_row_groups(block_tables, row_groups)
     res = paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)

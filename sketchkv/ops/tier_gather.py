@@ -13,6 +13,8 @@ Sink and tail rows are copied from the resident rows (model dtype), rows past co
 resident dump row (never read by attention). Hit and miss counts are added to `counters`
 ([hits, misses, ...], int64 on the device).
 
+`write_resident` puts a step's new K/V into the resident rows (sinks, recent ring): both caches in one launch.
+
 `compose_rows_ref` is the PyTorch formulation (~20 small kernels); `compose_rows_triton` does the
 classification, the lookup and the resident copies in one kernel (one program per sequence and ROWS rows):
 interpreter-tested against the reference, GPU-tested, the engine's default since H200 run 17
@@ -132,3 +134,38 @@ def compose_rows(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_
     if kernel == "triton" and triton is not None and (res_k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return compose_rows_triton(*args, **kw)
     return compose_rows_ref(*args, **kw)
+
+
+def write_resident_ref(res_k, res_v, rows, k, v) -> None:
+    """res_k[rows[i]] = k[i] and res_v[rows[i]] = v[i] (rows [T] int64, every entry a valid row: tokens kept
+    nowhere go to the dump row); k / v [T, Hkv, D] in any float dtype."""
+    res_k.index_copy_(0, rows, k.to(res_k.dtype))
+    res_v.index_copy_(0, rows, v.to(res_v.dtype))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _write_resident_kernel(k_ptr, v_ptr, rows_ptr, rk_ptr, rv_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                               HKV: tl.constexpr, D: tl.constexpr):
+        t = tl.program_id(0)
+        r = tl.load(rows_ptr + t).to(tl.int64)
+        h = tl.arange(0, HKV)[:, None]
+        d = tl.arange(0, D)[None, :]
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+        tl.store(rk_ptr + (r * HKV + h) * D + d, k.to(rk_ptr.dtype.element_ty))
+        tl.store(rv_ptr + (r * HKV + h) * D + d, v.to(rv_ptr.dtype.element_ty))
+
+
+def write_resident(res_k, res_v, rows, k, v) -> None:
+    """See write_resident_ref: one Triton launch on CUDA (and under TRITON_INTERPRET=1) instead of two
+    index_copy_ (Hkv and head_dim powers of two), the reference otherwise."""
+    T, Hkv, D = k.shape
+    pow2 = Hkv & (Hkv - 1) == 0 and D & (D - 1) == 0
+    if triton is None or not pow2 or not (k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return write_resident_ref(res_k, res_v, rows, k, v)
+    assert res_k.is_contiguous() and res_v.is_contiguous() and k.stride(2) == v.stride(2) == 1
+    if T:
+        _write_resident_kernel[(T,)](k, v, rows, res_k, res_v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                     HKV=Hkv, D=D, num_warps=4)
