@@ -102,10 +102,12 @@ def project_queries_ref(qg: torch.Tensor, basis: torch.Tensor, sum_groups: bool)
 def project_queries(qg: torch.Tensor, basis: torch.Tensor, sum_groups: bool) -> torch.Tensor:
     """project_queries_ref in one Triton launch on CUDA (and under TRITON_INTERPRET=1) for decode-size groups
     (G <= 16): the fp32 cast, the permuted copy and the fp32 GEMM of the einsum were 3 launches and ~10 us per
-    layer at batch 1 (H200 run 69). fp32 math in another summation order: equal up to fp32 rounding."""
+    layer at batch 1 (H200 run 69). fp32 math in another summation order: equal up to fp32 rounding.
+    Programs (sequence, KV head, RC basis columns): with one program per (sequence, KV head) the kernel took
+    12.6 us per layer at batch 1 (4 programs, each reading its head's 64 KB of basis in a serial loop; run 70)."""
     B, Hkv, G, D = qg.shape
     r = basis.shape[-1]
-    DC = min(32, D)
+    DC, RC = min(64, D), min(16, r)
     if (triton is None or not (qg.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or G > 16
             or qg.stride(3) != 1 or D % DC or DC & (DC - 1) or r & (r - 1) or not basis.is_contiguous()
             or basis.dtype != torch.float32):
@@ -113,8 +115,9 @@ def project_queries(qg: torch.Tensor, basis: torch.Tensor, sum_groups: bool) -> 
     GO = 1 if sum_groups else G
     out = torch.empty(B, Hkv, GO, r, dtype=torch.float32, device=qg.device)
     if B:
-        _project_queries_kernel[(B, Hkv)](qg, basis, out, qg.stride(0), qg.stride(1), qg.stride(2), G, D=D, R=r,
-                                          DC=DC, GP=max(2, triton.next_power_of_2(G)), SUM=sum_groups, num_warps=4)
+        _project_queries_kernel[(B, Hkv, r // RC)](qg, basis, out, qg.stride(0), qg.stride(1), qg.stride(2), G,
+                                                   D=D, R=r, RC=RC, DC=DC, GP=max(2, triton.next_power_of_2(G)),
+                                                   SUM=sum_groups, num_warps=4)
     return out
 
 
@@ -122,27 +125,28 @@ if triton is not None:
 
     @triton.jit
     def _project_queries_kernel(q_ptr, basis_ptr, out_ptr, stride_qb, stride_qh, stride_qg, G,
-                                D: tl.constexpr, R: tl.constexpr, DC: tl.constexpr, GP: tl.constexpr,
-                                SUM: tl.constexpr):
-        # program (sequence b, KV head h): its G query heads [GP, DC] at a time against basis rows [DC, R] (fp32
-        # FMAs; tl.dot would round fp32 to tf32). SUM: the heads summed first (the reference's order).
+                                D: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, DC: tl.constexpr,
+                                GP: tl.constexpr, SUM: tl.constexpr):
+        # program (sequence b, KV head h, basis columns r): its G query heads [GP, DC] at a time against basis
+        # rows [DC, RC] (fp32 FMAs; tl.dot would round fp32 to tf32). SUM: the heads summed first (the
+        # reference's order).
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         g = tl.arange(0, GP)
-        r = tl.arange(0, R)
+        r = tl.program_id(2) * RC + tl.arange(0, RC)
         gm = g < G
-        acc = tl.zeros([GP, R], tl.float32)
-        acc1 = tl.zeros([R], tl.float32)
+        acc = tl.zeros([GP, RC], tl.float32)
+        acc1 = tl.zeros([RC], tl.float32)
         for d0 in tl.static_range(0, D, DC):
             d = d0 + tl.arange(0, DC)
             x = tl.load(q_ptr + b * stride_qb + h * stride_qh + g[:, None] * stride_qg + d[None, :],
                         mask=gm[:, None], other=0.0).to(tl.float32)                                 # [GP, DC]
-            w = tl.load(basis_ptr + (h * D + d[:, None]) * R + r[None, :])                          # [DC, R]
+            w = tl.load(basis_ptr + (h * D + d[:, None]) * R + r[None, :])                          # [DC, RC]
             if SUM:
                 acc1 += tl.sum(tl.sum(x, 0)[:, None] * w, 0)
             else:
                 acc += tl.sum(x[:, :, None] * w[None, :, :], 1)
-        HKV = tl.num_programs(1)
+        HKV = tl.num_programs(1)   # (out [B, Hkv, G or 1, R] contiguous)
         if SUM:
             tl.store(out_ptr + (b * HKV + h) * R + r, acc1)
         else:
