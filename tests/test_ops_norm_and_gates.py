@@ -119,6 +119,19 @@ def test_interp_silu_and_mul_matches_reference(dtype):
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **tol)
 
 
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_sigmoid_gate_matches_reference(dtype):
+    """Gated attention's output gate with the gate a strided view of the q projection (as the model takes it)."""
+    from sketchkv.ops.sigmoid_gate import sigmoid_gate, sigmoid_gate_ref
+    torch.manual_seed(6)
+    qg = torch.randn(3, 4, 2 * 64, dtype=dtype) * 4
+    q, gate = qg.chunk(2, dim=-1)
+    o = torch.randn(3, 4, 64, dtype=dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(sigmoid_gate(o, gate), sigmoid_gate_ref(o, gate), **tol)
+
+
 def test_interpreter_child():
     run_interpreter_tests(__file__, pa._INTERPRETED)
 

@@ -17,6 +17,7 @@ from sketchkv.layers.rotary import RotaryEmbedding
 from sketchkv.models.fuse import fuse_linears
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.models.weights import default_load_weight
+from sketchkv.ops.sigmoid_gate import sigmoid_gate
 
 
 class GatedAttention(nn.Module):
@@ -53,7 +54,7 @@ class GatedAttention(nn.Module):
         v = v.reshape(T, Hkv, D)
         q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v, **self.core_inputs(positions, x)).reshape(T, -1)
-        return self.o_proj((o.view(T, H, D) * torch.sigmoid(gate)).view(T, -1))   # gate: a strided view, no copy
+        return self.o_proj(sigmoid_gate(o.view(T, H, D), gate).view(T, -1))   # gate: a strided view, no copy
 
 
 class DecoderLayer(nn.Module):
