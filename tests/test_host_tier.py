@@ -40,6 +40,8 @@ def test_row_sizes():
     assert qk.row_bytes("int4", 4, 256) == 1088 and qk.row_bytes("int8", 4, 256) == 2112
     assert qk.head_record_bytes("int4", 128) == 144          # 64 + 64 + 4 + 4 = 136 -> 144
     assert qk.head_record_bytes("int4", 32) == 48            # one group of 32 dims: 16 + 16 + 2 + 2 -> 48
+    assert qk.head_record_bytes("k8v4", 256) == 400          # 256 + 128 + 2 + 4 x 2 = 394, padded to 16
+    assert qk.row_bytes("k8v4", 4, 256) == 1600
     for fmt in qk.FORMATS:
         for D in (16, 32, 64, 128, 256):
             assert qk.head_record_bytes(fmt, D) % 16 == 0
@@ -52,15 +54,15 @@ def test_quantize_roundtrip_error_bound(fmt, D):
     rec = qk.pack_kv(k, v, fmt)
     assert rec.shape == (40, 3, qk.head_record_bytes(fmt, D)) and rec.dtype == torch.uint8
     kh, vh = qk.unpack_kv(rec, fmt, D)
-    for x, xh in ((k, kh), (v, vh)):
+    for part, x, xh in (("k", k, kh), ("v", v, vh)):
         err = (x - xh).abs()
-        bound = qk.error_bound(x, fmt)
+        bound = qk.error_bound(x, fmt, part)
         assert (err <= bound * (1 + 1e-6) + 1e-30).all(), (err / bound).max()
-        if fmt == "int4":  # bound relative to the group's max: s/2 = max|x|/14 (s rounded to fp16)
+        if fmt == "int4" or (fmt, part) == ("k8v4", "v"):  # relative to the group's max: s/2 = max|x|/14
             amax = x.unflatten(-1, (-1, qk.group_size(D))).abs().amax(-1).repeat_interleave(qk.group_size(D), -1)
             assert (err <= amax / 14 * (1 + 2 ** -10)).all()
             assert (err.amax(-1) > 0).all()  # it really is lossy (the bound is not vacuous)
-        if fmt == "int8":
+        if fmt == "int8" or (fmt, part) == ("k8v4", "k"):
             assert (err <= x.abs().amax(-1, keepdim=True) / 254 * (1 + 2 ** -10)).all()
 
 
@@ -193,6 +195,7 @@ GATHER_CFGS = [  # (fmt, Hkv, D)
     ("int4", 2, 64), ("int4", 3, 128), ("int4", 4, 256), ("int4", 1, 32),
     ("int8", 2, 64), ("int8", 3, 128), ("int8", 1, 256),
     ("bf16", 2, 64), ("bf16", 1, 128), ("bf16", 4, 32),
+    ("k8v4", 2, 64), ("k8v4", 4, 256), ("k8v4", 1, 32), ("k8v4", 3, 128),
 ]
 
 
@@ -257,7 +260,7 @@ def test_interp_gather_kernel_row_tiles_and_empty():
     assert (z[0] == 0).all()
 
 
-RAW_CFGS = [("int4", 4, 64), ("int8", 2, 256), ("bf16", 3, 32)]
+RAW_CFGS = [("int4", 4, 64), ("int8", 2, 256), ("bf16", 3, 32), ("k8v4", 4, 256), ("k8v4", 2, 32)]
 
 
 @pytest.mark.parametrize("fmt,Hkv,D", RAW_CFGS)

@@ -105,9 +105,9 @@ def test_tier_gpu_kv_cache_shrinks(ckpt_with_basis):
     assert on.tier.store.row_bytes == c.num_kv_heads * 4 * c.head_dim  # bf16 K + V
 
 
-@pytest.mark.parametrize("fmt,min_agree", [("int8", 0.95), ("int4", 0.8)])
+@pytest.mark.parametrize("fmt,min_agree", [("int8", 0.95), ("int4", 0.8), ("k8v4", 0.9)])
 def test_tier_quantized_top1_agreement(ckpt_with_basis, fmt, min_agree):
-    """Teacher-forced continuations: the argmax with int4 / int8 host rows agrees with tier-off."""
+    """Teacher-forced continuations: the argmax with int4 / int8 / k8v4 host rows agrees with tier-off."""
     prompts = [_prompt(400, 6), _prompt(250, 7)]
     conts = [_prompt(40, 8), _prompt(40, 9)]
     ref = _llm(ckpt_with_basis, False).teacher_force(prompts, conts)

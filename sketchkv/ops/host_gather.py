@@ -98,7 +98,7 @@ def host_scatter_rows_ref(dst, slots, src, counter=None):
 
 # ---- Triton ---------------------------------------------------------------------------------------
 
-_FMT_ID = {"int4": 0, "int8": 1, "bf16": 2}
+_FMT_ID = {"int4": 0, "int8": 1, "bf16": 2, "k8v4": 3}
 
 if triton is not None:
 
@@ -168,6 +168,28 @@ if triton is not None:
                 tl.store(raws_ptr + sr + 1, vs, mask=m2)
             k = kq.to(tl.float32) * ks.to(tl.float32)[:, :, None]
             v = vq.to(tl.float32) * vs.to(tl.float32)[:, :, None]
+        elif FMT == 3:  # k8v4: int8 K codes then int4 V codes, both read as int32 words; K's scale, V's group scales
+            rec4 = r[:, None] * (ROW_BYTES // 4) + heads[None, :] * (HEAD_BYTES // 4)
+            wk = tl.arange(0, D // 4)
+            wv = tl.arange(0, D // 8)
+            g = tl.arange(0, NG)
+            kw = tl.load(data_ptr + rec4[:, :, None] + wk[None, None, :], mask=m3, other=0)
+            vw = tl.load(data_ptr + rec4[:, :, None] + D // 4 + wv[None, None, :], mask=m3, other=0)
+            ks = tl.load(scale_ptr + rec2 + 3 * D // 4, mask=m2, other=0.0)
+            vs = tl.load(scale_ptr + (rec2 + 3 * D // 4 + 1)[:, :, None] + g[None, None, :], mask=m3, other=0.0)
+            if RAW:
+                wr = (dr[:, None] * (ROW_BYTES // 4) + heads[None, :] * (HEAD_BYTES // 4))[:, :, None]
+                tl.store(rawd_ptr + wr + wk[None, None, :], kw, mask=m3)
+                tl.store(rawd_ptr + wr + D // 4 + wv[None, None, :], vw, mask=m3)
+                sr = dr[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2) + 3 * D // 4
+                tl.store(raws_ptr + sr, ks, mask=m2)
+                tl.store(raws_ptr + (sr + 1)[:, :, None] + g[None, None, :], vs, mask=m3)
+            sk = (3 - tl.arange(0, 4)) * 8       # byte i of a word (dim 4w + i) to the top, then back: sign-extended
+            kq = ((kw[:, :, :, None] << sk[None, None, None, :]) >> 24).to(tl.float32)
+            k = tl.reshape(kq, [ROWS, HP, D]) * ks.to(tl.float32)[:, :, None]
+            sh = tl.arange(0, 8) * 4
+            vq = (((vw[:, :, :, None] >> sh[None, None, None, :]) & 15) - 8).to(tl.float32)
+            v = tl.reshape(tl.reshape(vq, [ROWS, HP, NG, D // NG]) * vs.to(tl.float32)[:, :, :, None], [ROWS, HP, D])
         else:  # bf16
             db = rec2[:, :, None] + d[None, None, :]
             kb = tl.load(data_ptr + db, mask=m3, other=0.0)
@@ -214,7 +236,7 @@ def default_rows_per_program(heads: int, head_dim: int) -> int:
 
 def _views(buf, fmt):
     """(codes, scales) views of uint8 rows, the element types the kernel reads them as."""
-    if fmt == "int4":
+    if fmt in ("int4", "k8v4"):
         return buf.view(torch.int32), buf.view(torch.float16)
     if fmt == "int8":
         return buf.view(torch.int8), buf.view(torch.float16)
@@ -243,7 +265,7 @@ def host_gather_triton(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, raw=Non
         data, scale, rows, drows, dst_k, dst_v, raw_data, raw_scale, N,
         rows.stride(0) if per_head else 0, drows.stride(0) if per_head else 0,
         dst_k.stride(0), dst_k.stride(1), dst_v.stride(0), dst_v.stride(1),
-        FMT=_FMT_ID[fmt], HKV=Hkv, HP=HP, D=D, NG=D // group_size(D) if fmt == "int4" else 1,
+        FMT=_FMT_ID[fmt], HKV=Hkv, HP=HP, D=D, NG=D // group_size(D) if fmt in ("int4", "k8v4") else 1,
         ROW_BYTES=Hkv * hb, HEAD_BYTES=hb, ROWS=ROWS, PER_HEAD=per_head, HAS_DROWS=dst_rows is not None,
         RAW=raw is not None, num_warps=num_warps,
     )

@@ -11,8 +11,11 @@ aligned and the gather kernel reads it with 16-byte vector loads):
   int8  [K: D int8][V: D int8][K scale fp16][V scale fp16][pad]   one scale per token and head:
         s = max|x| / 127, q in [-127, 127].                      D=256: 516 -> 528 B
   bf16  [K: D bf16][V: D bf16]                                   D=256: 1024 B
+  k8v4  [K: D int8][V: D/2 B int4][K scale fp16][V scales: D/G fp16][pad]   keys as int8, values as int4:
+        the keys carry the int4 format's KL (benchmarks/results/int4-kv-split-cpu-2026-12-03/).
+                                                                 D=256: 256+128+2+8 = 394 -> 400 B
 
-(bytes per head record; a row is Hkv records: 1088 / 2112 / 4096 B for 4 KV heads x 256.)
+(bytes per head record; a row is Hkv records: 1088 / 2112 / 4096 / 1600 B for 4 KV heads x 256.)
 Multi-byte fields are little-endian (x86 hosts and NVIDIA GPUs): the kernel reads the scales
 through a float16 view of the same buffer and the int4 codes as int32 words (8 nibbles each,
 nibble i of a word = dim 8w + i).
@@ -24,6 +27,7 @@ is what both the reference and the kernel multiply by; q * s is exact in fp32):
         fp16, so the clamp never costs more than rounding does. I.e. |x - x^| <= max|x| / 14 * (1 + 2^-10).
   int8  the same with 127: |x - x^| <= s/2 <= max|x| / 254 * (1 + 2^-10), per token and head.
   bf16  round to nearest (8-bit significand): |x - x^| <= 2^-8 |x| (exact when the cache is bf16).
+  k8v4  K as int8, V as int4 (error_bound(x, "k8v4", part)).
 (The division x / s is done in fp32; at a rounding boundary that can move a code by one only when
 |x / s - (n + 1/2)| < 2^-23 * 8, adding at most ~2^-20 * s: the tests allow a 1e-6 relative slack.)
 Scales are clamped to [2^-24, 65504] (fp16 range): all-zero groups round-trip to 0; inputs beyond
@@ -31,7 +35,7 @@ Scales are clamped to [2^-24, 65504] (fp16 range): all-zero groups round-trip to
 
 On CUDA (and under TRITON_INTERPRET=1) int4 records are packed by one kernel (`pack_kv_int4_triton`, the
 same bytes as the reference: IEEE division, round half to even); unfused, packing a decode step's rows took
-~30 small kernels per full-attention layer.
+~30 small kernels per full-attention layer. k8v4 records are still packed by the reference (torch) on the GPU.
 """
 import os
 
@@ -43,7 +47,7 @@ try:
 except ImportError:
     triton = None
 
-FORMATS = ("int4", "int8", "bf16")
+FORMATS = ("int4", "int8", "bf16", "k8v4")
 _FP16_MIN, _FP16_MAX = 2.0 ** -24, 65504.0
 
 
@@ -66,6 +70,9 @@ def head_record_bytes(fmt: str, head_dim: int) -> int:
         return _pad16(2 * D + 4)
     if fmt == "bf16":
         return _pad16(4 * D)
+    if fmt == "k8v4":
+        assert D % 8 == 0 and D % group_size(D) == 0, "k8v4 host rows need head_dim a multiple of 8"
+        return _pad16(D + D // 2 + 2 + 2 * (D // group_size(D)))
     raise ValueError(f"unknown host KV format {fmt!r} (one of {FORMATS})")
 
 
@@ -185,6 +192,10 @@ def pack_kv_ref(k: torch.Tensor, v: torch.Tensor, fmt: str) -> torch.Tensor:
         parts = [_bytes(kq), _bytes(vq), _bytes(ks[..., None]), _bytes(vs[..., None])]
     elif fmt == "bf16":
         parts = [_bytes(k.to(torch.bfloat16)), _bytes(v.to(torch.bfloat16))]
+    elif fmt == "k8v4":
+        kq, ks = quantize_int8(k)
+        vq, vs = quantize_int4(v)
+        parts = [_bytes(kq), vq, _bytes(ks[..., None]), _bytes(vs)]
     else:
         raise ValueError(f"unknown host KV format {fmt!r}")
     rec = torch.cat(parts, dim=-1)
@@ -213,13 +224,23 @@ def unpack_kv(rec: torch.Tensor, fmt: str, head_dim: int) -> tuple[torch.Tensor,
         k = rec[..., :2 * D].contiguous().view(torch.bfloat16).float()
         v = rec[..., 2 * D:4 * D].contiguous().view(torch.bfloat16).float()
         return k, v
+    if fmt == "k8v4":
+        NG = D // group_size(D)
+        kq = rec[..., :D].contiguous().view(torch.int8)
+        e = D + D // 2
+        ks = rec[..., e:e + 2].contiguous().view(torch.float16)[..., 0]
+        vs = rec[..., e + 2:e + 2 + 2 * NG].contiguous().view(torch.float16)
+        return dequantize_int8(kq, ks), dequantize_int4(rec[..., D:e], vs)
     raise ValueError(f"unknown host KV format {fmt!r}")
 
 
-def error_bound(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Per-element bound on |x - dequant(quant(x))| for x [..., D] (see the module docstring)."""
+def error_bound(x: torch.Tensor, fmt: str, part: str = "k") -> torch.Tensor:
+    """Per-element bound on |x - dequant(quant(x))| for x [..., D] (see the module docstring); part "k" or "v":
+    which half of a k8v4 record x is (int8 keys, int4 values)."""
     xf = x.float()
     D = x.shape[-1]
+    if fmt == "k8v4":
+        fmt = "int8" if part == "k" else "int4"
     if fmt == "int4":
         _, s = quantize_int4(x)
         return (s.float() / 2).repeat_interleave(group_size(D), dim=-1)
