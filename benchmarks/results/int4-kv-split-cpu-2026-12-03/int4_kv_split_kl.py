@@ -2,8 +2,8 @@
 # KIVI-style keys (one int4 scale per channel over 64 consecutive tokens, instead of per token over 64 dims; the
 # same bytes) would help. Simulated through bf16 host rows whose K / V went through an int4 round trip when
 # written (prompt rows are written in prefill chunks; the 128 forced tokens stay in the recent window, so only
-# prompt rows are read back from the host). "int4" = the real int4 format, for reference. And uneven bit splits of
-# the same bytes (K int5 + V int3, K int6 + V int2: scales as int4's, packing not built).
+# prompt rows are read back from the host). "(real format)": the built formats (int4; k8v4 since session 19).
+# And uneven bit splits of the same bytes (K int5 + V int3, K int6 + V int2: scales as int4's, packing not built).
 # Usage: python int4_kv_split_kl.py N   (N = prompt tokens; 2 documents, 128 teacher-forced tokens each)
 import sys
 
@@ -46,7 +46,7 @@ def bits(b, G=64):        # symmetric b-bit round trip, absmax scale per token o
     return rt
 
 
-VARIANTS = {"int4 K+V (real format)": None, "int4 K+V (simulated)": (per_token, per_token),
+VARIANTS = {"int4 K+V (real format)": "int4", "k8v4 (real format)": "k8v4", "int4 K+V (simulated)": (per_token, per_token),
             "int4 K only": (per_token, lambda v: v), "int4 V only": (lambda k: k, per_token),
             "KIVI K + int4 V": (per_channel, per_token), "KIVI K only": (per_channel, lambda v: v),
             # the same 272 B per token and head (4.25 bits per value with the scales), split unevenly:
@@ -54,8 +54,8 @@ VARIANTS = {"int4 K+V (real format)": None, "int4 K+V (simulated)": (per_token, 
             "int8 K + int4 V (400 B)": (bits(8), per_token)}
 ref = LLM(default_model(), **opts).teacher_force(prompts, conts)
 for name, fns in VARIANTS.items():
-    if fns is None:
-        HS.pack_kv, fmt = pack_orig, "int4"
+    if isinstance(fns, str):     # a built format
+        HS.pack_kv, fmt = pack_orig, fns
     else:
         HS.pack_kv, fmt = (lambda k, v, f, fk=fns[0], fv=fns[1]: pack_orig(fk(k), fv(v), f)), "bf16"
     llm = LLM(default_model(), **opts, sparse_host_tier=True, sparse_host_format=fmt)
