@@ -51,7 +51,7 @@ class SparseConfig:
     host_budget_gb: float | None = field(default=None, metadata={"help": "host RAM for the tier (default: half of the available RAM)"})
     tier_kernel: str = field(default="triton", metadata={"help": "the host tier's per-step kernels: triton (fused kernels per layer: the K/V scratch composition, the CLOCK admit and its row copies; H200 run 17, 27B shape at 8 x 250K: ~5,400 instead of ~8,300 kernels per step, the tier's torch index/elementwise time 15.0 -> 5.1 ms) | torch (the PyTorch reference: the same result, ~50 small kernels per layer and step)"})
     gpu_budget_gb: float | None = field(default=None, metadata={"help": "GPU memory for the tier: sketches, sinks + tails, hot buffer (default: what is free after weights and activations)"})
-    admit_stream: bool = field(default=True, metadata={"help": "on CUDA, each layer's hot-buffer admit (CLOCK placement, row copies) runs on a side stream, overlapped with the next layers; the step joins it at its end (the admit is off the decode's critical path: nothing reads the layer's hot buffer until the next step)"})
+    admit_stream: bool = field(default=True, metadata={"help": "on CUDA, each layer's hot-buffer admit (CLOCK placement, row copies) and, in plain decode steps, the new tokens' host rows and sketches run on a side stream, overlapped with the next layers; the step joins it at its end (nothing reads them before the next step)"})
 
 
 def resolved_prefill_selection(sp: SparseConfig) -> str:

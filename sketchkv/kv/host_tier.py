@@ -97,8 +97,9 @@ class HostTier:
         self.max_part_rows = max(1, min(pool_rows, self.hot.rows_for(max_model_len)))
         self.selector_bytes_per_block = selector_bytes_per_block  # the layers' selector state (sketch | QSA keys)
         self._unfilled: set[int] = set()                # sequences whose resident rows are not set up yet
-        # admits on a side stream (CUDA): off the critical path, joined at the step's end (join); _pending keeps
-        # the step's tensors the side stream reads alive until then (no reuse by the main stream's allocations)
+        # a side stream (CUDA) for work nothing reads before the step ends: the admits, and in plain decode steps
+        # the new tokens' host rows and sketches; joined at the step's end (join). _pending keeps the step's
+        # tensors the side stream reads alive until then (no reuse by the main stream's allocations)
         self.admit_stream = torch.cuda.Stream(device) if admit_stream and device.type == "cuda" else None
         self._pending: list = []
 
@@ -195,7 +196,7 @@ class HostTier:
         forget any hot row held for a slot that now gets new content. off_path (decode steps): the host rows on
         the side stream: no row of the step's tokens is read from the host before the step ends (the tokens
         are in the recent window, read from the resident rows)."""
-        with self.side(slots, k, v) if off_path else contextlib.nullcontext():
+        with self.side(slots, k, v, on=off_path):
             self.store.write(layer, slots, k, v)
         if layer == 0:  # every layer's hot rows of these slots at once (no layer picks a new token: it is recent)
             self.hot.invalidate(slots)
@@ -247,12 +248,12 @@ class HostTier:
         return rows
 
     @contextlib.contextmanager
-    def side(self, *tensors):
-        """Run the enclosed work on the side stream (CUDA, admit_stream on; else where it is): it forks from the
-        current stream here and is joined at the step's end (join). The tensors it reads (and what it appends
+    def side(self, *tensors, on: bool = True):
+        """Run the enclosed work on the side stream (CUDA, admit_stream and `on`; else where it is): it forks from
+        the current stream here and is joined at the step's end (join). The tensors it reads (and what it appends
         to the yielded list) are kept alive until then, so the main stream's allocations cannot reuse them."""
         keep = list(tensors)
-        if self.admit_stream is None:
+        if self.admit_stream is None or not on:
             yield keep
             return
         self.admit_stream.wait_stream(torch.cuda.current_stream())
@@ -261,9 +262,10 @@ class HostTier:
         self._pending.append(keep)
 
     def join(self) -> None:
-        """End of a step: the current stream waits for the admits enqueued on the side stream (the next step's
-        lookups and the layer-0 invalidation read every layer's hot buffer). Also inside a CUDA-graph capture,
-        which must join every stream it forked."""
+        """End of a step: the current stream waits for the work enqueued on the side stream (admits: the next
+        step's lookups and the layer-0 invalidation read every layer's hot buffer; host rows and sketches: read
+        once their tokens leave the recent window). Also inside a CUDA-graph capture, which must join every stream
+        it forked."""
         if self._pending:
             torch.cuda.current_stream().wait_stream(self.admit_stream)
             self._pending.clear()

@@ -22,8 +22,6 @@ sequence (sparse verify_selection=shared) the sequence's rows are read once, for
 Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier (or, with
 prefill_selection=chunk, over the rows one selection per chunk picked: only those are read).
 """
-import contextlib
-
 import torch
 
 from sketchkv.engine.context import get_context
@@ -103,7 +101,7 @@ class TieredAttention(TieredKV, SparseAttention):
         # a decode step never scores its own tokens (they are in the recent window): their sketches are written on
         # the tier's side stream, off the step's critical path (with no recent window, before the scoring)
         off_path = plain_decode(ctx) and self.cfg.recent_tokens > 0
-        with self.tier.side(k, ctx.slot_mapping) if off_path else contextlib.nullcontext():
+        with self.tier.side(k, ctx.slot_mapping, on=off_path):
             SparseAttention.write_sketches(self, k)
 
 
