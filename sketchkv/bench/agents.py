@@ -54,6 +54,11 @@ from sketchkv.errors import SketchKVError
 
 CONFIGS = ("sparse", "dense", "hf")
 LABELS = {"sparse": "sketchkv sparse + host tier", "dense": "sketchkv dense", "hf": "transformers dense"}
+
+
+def label(config: str, host_format: str) -> str:
+    """A row's name in the reports: the sparse rows name their host format (runs with other formats merge)."""
+    return LABELS[config] + (f" ({host_format} rows)" if config == "sparse" else "")
 SPEC_KNOBS = ("num_speculative_tokens", "mtp_attention_window")
 SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_host_format",
                 "sparse_hot_fraction", "sparse_host_budget_gb", "sparse_gpu_budget_gb", "sparse_basis",
@@ -599,7 +604,8 @@ def run(args, name: str, write: bool = True) -> dict:
                "text": source, "sparse": {"top_k": sp.top_k, "sink_tokens": sp.sink_tokens,
                                           "recent_tokens": sp.recent_tokens, "host_format": sp.host_format,
                                           "hot_fraction": sp.hot_fraction, "prefill_selection": prefill_selection},
-               "capacity": [{"config": c, "context": L, **v} for (c, L), v in caps.items()], "rows": []}
+               "capacity": [{"config": c, "context": L, "host_format": sp.host_format, **v} for (c, L), v in caps.items()],
+               "rows": []}
     out_paths = None
     for cfgname in args.configs:
         points = []
@@ -609,8 +615,8 @@ def run(args, name: str, write: bool = True) -> dict:
                 if a == "max" and cfgname != "sparse":
                     n = caps[(cfgname, L)]["max_agents"]
                 points.append((L, a, n))
-        row0 = lambda L, a, n: {"config": cfgname, "label": LABELS[cfgname], "agents": n, "agents_arg": a,  # noqa: E731
-                                "context": L, "command": point_command(argv, cfgname, n if a != "max" else "max", L,
+        row0 = lambda L, a, n: {"config": cfgname, "label": label(cfgname, sp.host_format),  # noqa: E731
+                                "agents": n, "agents_arg": a, "context": L, "command": point_command(argv, cfgname, n if a != "max" else "max", L,
                                                                        prefill_selection if cfgname == "sparse" else None)}
         runnable, llm, hf = [], None, None
         for L, a, n in points:
@@ -758,7 +764,7 @@ def merge(paths: list[str], out_dir: str, name: str) -> dict:
         for row in part["rows"]:
             key = (row["config"], row["agents"], row["context"], engine_knobs(row.get("command", "")))
             rows.pop(key, None)
-            rows[key] = row
+            rows[key] = {**row, "label": label(row["config"], part["sparse"]["host_format"])}
     merged["rows"] = list(rows.values())
     dp = {}  # data-parallel points likewise, keyed by their replica count too
     for part in parts:
@@ -768,8 +774,9 @@ def merge(paths: list[str], out_dir: str, name: str) -> dict:
             dp[key] = row
     merged["dp_rows"] = list(dp.values())
     DP.add_ratios(merged["dp_rows"], merged["rows"])
-    merged["capacity"] = list({(c["config"], c["context"]): c for part in parts   # the later file's arithmetic
-                               for c in part.get("capacity", [])}.values())
+    fmt = lambda part, c: c.get("host_format", part["sparse"]["host_format"])  # noqa: E731  (older files lack it)
+    merged["capacity"] = list({(c["config"], c["context"], fmt(part, c)): {**c, "host_format": fmt(part, c)}
+                               for part in parts for c in part.get("capacity", [])}.values())  # the later file's
     merged["sources"] = [{"file": p, "command": part["info"]["command"], "date": part["info"]["date"],
                           "device": part["info"]["device"], "bandwidth": part.get("bandwidth")}
                          for p, part in zip(paths, parts)]
@@ -898,7 +905,7 @@ def markdown(r: dict, png: str) -> str:
           "budget. transformers adds its one-forward prefill activations per agent.", "",
           "| config | context | GPU GB/agent | host GB/agent | max agents |", "|---|---|---|---|---|"]
     for c in r.get("capacity", []):
-        L.append(f"| {LABELS[c['config']]} | {C.fmt_len(c['context'])} | {c['per_agent_gpu'] / 1e9:.3g} | "
+        L.append(f"| {label(c['config'], c.get('host_format', r['sparse']['host_format']))} | {C.fmt_len(c['context'])} | {c['per_agent_gpu'] / 1e9:.3g} | "
                  f"{c['per_agent_host'] / 1e9:.3g} | {c['max_agents']} |")
     if r.get("goals"):
         L += ["", "## Goals (issue 8)", "", "| goal | value | met |", "|---|---|---|"]

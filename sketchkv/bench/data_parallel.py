@@ -93,12 +93,12 @@ def run_replicas(args, n: int) -> list[dict]:
 
 def combine(replicas: list[dict], n: int, argv: list[str]) -> list[dict]:
     """One row per point: the replicas' timed windows combined."""
-    from sketchkv.bench.agents import LABELS, argv_without, point_command
+    from sketchkv.bench.agents import argv_without, point_command
     rest = argv_without(argv, ("--data-parallel",))
     rows = []
     for reps in zip(*(r["rows"] for r in replicas)):
         r0 = reps[0]
-        row = {"config": r0["config"], "label": LABELS[r0["config"]], "data_parallel": n,
+        row = {"config": r0["config"], "label": r0["label"], "data_parallel": n,
                "agents": n * r0["agents"], "agents_per_replica": r0["agents"], "context": r0["context"],
                "command": point_command(rest, r0["config"], r0["agents"], r0["context"],
                                         replicas[0]["sparse"]["prefill_selection"] if r0["config"] == "sparse"
