@@ -328,16 +328,21 @@ def test_interp_store_write_kernel_roundtrip(fmt):
 
 
 @needs_interp
+@pytest.mark.parametrize("fmt", ["int4", "k8v4"])
 @pytest.mark.parametrize("D", [256, 32])
-def test_interp_pack_int4_kernel_is_reference_bytes(D):
-    """The int4 record kernel writes the reference's bytes (IEEE division, round half to even, fp16 scales),
-    including exact ties, all-zero groups and strided heads."""
+def test_interp_pack_kernel_is_reference_bytes(D, fmt):
+    """The record kernel (int4, and k8v4: int8 keys + int4 values) writes the reference's bytes (IEEE division,
+    round half to even, fp16 scales), including exact ties, all-zero groups and strided heads."""
     k, v = kv_like((2, 9, 3, 2 * D), seed=7).unbind(0)
     k, v = k[..., :D] * 3, v[..., D:] * 1e-3
     k[0, 0] = 0
     s = (k[1, 1, :min(64, D)].abs().amax() / 7.0).half().float()
-    k[1, 1, 5] = 2.5 * s                                        # a tie: rounds to the even code 2
-    assert torch.equal(qk.pack_kv_int4_triton(k, v), qk.pack_kv_ref(k, v, "int4"))
+    k[1, 1, 5] = 2.5 * s                                        # an int4 tie: rounds to the even code 2
+    s8 = (k[1, 2].abs().amax() / 127.0).half().float()
+    k[1, 2, 7] = 3.5 * s8                                       # an int8 tie: rounds to the even code 4
+    sv = (v[1, 1, :min(64, D)].abs().amax() / 7.0).half().float()
+    v[1, 1, 3] = -1.5 * sv                                      # a value tie: -2
+    assert torch.equal(qk.pack_kv_triton(k, v, fmt), qk.pack_kv_ref(k, v, fmt))
 
 
 # ---- hot buffer: windowed CLOCK -------------------------------------------------------------------
@@ -592,10 +597,11 @@ def test_hot_buffer_invalidate():
 # ---- GPU (H200) --------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_pack_int4_kernel_is_reference_bytes():
+@pytest.mark.parametrize("fmt", ["int4", "k8v4"])
+def test_gpu_pack_kernel_is_reference_bytes(fmt):
     k, v = kv_like((2, 64, 4, 256), seed=8).unbind(0)
     k, v = (k * 4).cuda().bfloat16(), v.cuda().bfloat16()
-    assert torch.equal(qk.pack_kv_int4_triton(k, v), qk.pack_kv_ref(k, v, "int4"))
+    assert torch.equal(qk.pack_kv_triton(k, v, fmt), qk.pack_kv_ref(k, v, fmt))
 
 
 @pytest.mark.gpu

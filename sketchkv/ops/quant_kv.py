@@ -33,9 +33,9 @@ is what both the reference and the kernel multiply by; q * s is exact in fp32):
 Scales are clamped to [2^-24, 65504] (fp16 range): all-zero groups round-trip to 0; inputs beyond
 7 * 65504 (int4) / 127 * 65504 (int8) saturate, and such K/V do not occur in practice.
 
-On CUDA (and under TRITON_INTERPRET=1) int4 records are packed by one kernel (`pack_kv_int4_triton`, the
+On CUDA (and under TRITON_INTERPRET=1) int4 and k8v4 records are packed by one kernel (`pack_kv_triton`, the
 same bytes as the reference: IEEE division, round half to even); unfused, packing a decode step's rows took
-~30 small kernels per full-attention layer. k8v4 records are still packed by the reference (torch) on the GPU.
+~30 small kernels per full-attention layer (k8v4 until session 20: 1.2 ms per 27B step at 8 x 250K, H200 run 74).
 """
 import os
 
@@ -146,36 +146,56 @@ if triton is not None:
         tl.store(scales_ptr + tl.arange(0, NG), s)
 
     @triton.jit
-    def _pack_int4_kernel(k_ptr, v_ptr, rec_ptr, rec16_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                          HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr):
-        # program (token t, KV head h): its head record [K codes][V codes][K scales][V scales]
+    def _int8_vector(x_ptr, codes_ptr, scale_ptr, D: tl.constexpr):
+        # one vector [D] -> D int8 codes and one fp16 scale, as quantize_int8
+        x = tl.load(x_ptr + tl.arange(0, D)).to(tl.float32)
+        s = tl.minimum(tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 127.0), 5.960464477539063e-08), 65504.0)
+        s = s.to(tl.float16)
+        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x, s.to(tl.float32))), -127.0), 127.0)
+        tl.store(codes_ptr + tl.arange(0, D), q.to(tl.int8).to(tl.uint8, bitcast=True))
+        tl.store(scale_ptr, s)
+
+    @triton.jit
+    def _pack_kv_kernel(k_ptr, v_ptr, rec_ptr, rec16_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                        HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, K8: tl.constexpr):
+        # program (token t, KV head h): its head record, int4 [K codes][V codes][K scales][V scales] or
+        # (K8) k8v4 [K int8][V codes][K scale][V scales]; rec16: the same bytes as fp16 (scales at even offsets)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         NG: tl.constexpr = D // G
         rec = rec_ptr + (t * HKV + h) * RB
-        rec16 = rec16_ptr + (t * HKV + h) * (RB // 2) + D // 2
-        _int4_groups(k_ptr + t * stride_kt + h * stride_kh, rec, rec16, NG, G)
-        _int4_groups(v_ptr + t * stride_vt + h * stride_vh, rec + D // 2, rec16 + NG, NG, G)
+        rec16 = rec16_ptr + (t * HKV + h) * (RB // 2)
+        k = k_ptr + t * stride_kt + h * stride_kh
+        v = v_ptr + t * stride_vt + h * stride_vh
+        if K8:
+            _int8_vector(k, rec, rec16 + 3 * D // 4, D)
+            _int4_groups(v, rec + D, rec16 + 3 * D // 4 + 1, NG, G)
+        else:
+            _int4_groups(k, rec, rec16 + D // 2, NG, G)
+            _int4_groups(v, rec + D // 2, rec16 + D // 2 + NG, NG, G)
 
 
-def pack_kv_int4_triton(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """pack_kv(k, v, "int4") in one kernel: k, v [T, Hkv, D] (head dims contiguous) -> uint8 [T, Hkv, RB]."""
+def pack_kv_triton(k: torch.Tensor, v: torch.Tensor, fmt: str = "int4") -> torch.Tensor:
+    """pack_kv(k, v, fmt) in one kernel for fmt int4 or k8v4: k, v [T, Hkv, D] (head dims contiguous) ->
+    uint8 [T, Hkv, RB]."""
     T, Hkv, D = k.shape
-    G, RB = group_size(D), head_record_bytes("int4", D)
-    assert k.stride(2) == v.stride(2) == 1 and G & (G - 1) == 0 and D // G & (D // G - 1) == 0
-    alloc = torch.zeros if RB != D + 4 * (D // G) else torch.empty      # padding bytes stay 0
+    G, RB = group_size(D), head_record_bytes(fmt, D)
+    assert fmt in ("int4", "k8v4") and k.stride(2) == v.stride(2) == 1 and G & (G - 1) == 0
+    assert D // G & (D // G - 1) == 0 and (fmt == "int4" or D % 4 == 0)
+    used = D + 4 * (D // G) if fmt == "int4" else D + D // 2 + 2 + 2 * (D // G)
+    alloc = torch.zeros if RB != used else torch.empty      # padding bytes stay 0
     rec = alloc(T, Hkv, RB, dtype=torch.uint8, device=k.device)
     if T:
-        _pack_int4_kernel[(T, Hkv)](k, v, rec, rec.view(torch.float16), k.stride(0), k.stride(1), v.stride(0),
-                                    v.stride(1), HKV=Hkv, D=D, G=G, RB=RB, num_warps=2)
+        _pack_kv_kernel[(T, Hkv)](k, v, rec, rec.view(torch.float16), k.stride(0), k.stride(1), v.stride(0),
+                                  v.stride(1), HKV=Hkv, D=D, G=G, RB=RB, K8=fmt == "k8v4", num_warps=2)
     return rec
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor, fmt: str) -> torch.Tensor:
     """k, v [..., Hkv, D] -> head records uint8 [..., Hkv, head_record_bytes] on k's device."""
-    if fmt == "int4" and triton is not None and k.dim() == 3 and k.stride(2) == v.stride(2) == 1 and (
+    if fmt in ("int4", "k8v4") and triton is not None and k.dim() == 3 and k.stride(2) == v.stride(2) == 1 and (
             k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return pack_kv_int4_triton(k, v)
+        return pack_kv_triton(k, v, fmt)
     return pack_kv_ref(k, v, fmt)
 
 
