@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sketchkv.bench.agents import argv_without, goals, parse_agents, parse_tokens, point_command
+from sketchkv.bench.agents import argv_without, engine_knobs, goals, parse_agents, parse_tokens, point_command
 from sketchkv.cli import build_parser
 from sketchkv.cli import main as cli_main
 from sketchkv.config import default_model
@@ -189,6 +189,11 @@ def test_point_flags():
         "sketchkv bench agents --fill random --sparse-prefill-selection chunk --configs sparse --agents 8 --contexts 32768")
     given = argv + ["--sparse-prefill-selection=dense"]
     assert point_command(given, "sparse", 8, 32768, "dense").count("--sparse-prefill-selection") == 1
+    # engine knobs keep two runs of a point apart in a merged report; on/off switches take no value
+    assert engine_knobs("sketchkv bench agents --no-sparse-admit-stream --configs sparse --sparse-top-k 256") == (
+        ("--no-sparse-admit-stream", ""), ("--sparse-top-k", "256"))
+    assert engine_knobs("sketchkv bench agents --sparse-host-format=k8v4 --configs sparse") == (
+        ("--sparse-host-format=k8v4", ""),)
 
 
 def test_data_parallel_replicas_and_ratio(tmp_path):

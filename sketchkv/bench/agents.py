@@ -63,7 +63,7 @@ SPEC_KNOBS = ("num_speculative_tokens", "mtp_attention_window")
 SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_host_format",
                 "sparse_hot_fraction", "sparse_host_budget_gb", "sparse_gpu_budget_gb", "sparse_basis",
                 "sparse_head_combine", "sparse_score_kernel", "sparse_tier_kernel", "sparse_verify_selection",
-                "sparse_prefill_selection")
+                "sparse_prefill_selection", "sparse_admit_stream")
 LONG = 240_000  # "250K-class" contexts for the goal checks
 
 
@@ -744,8 +744,10 @@ def engine_knobs(command: str) -> tuple:
     """The engine flags (sparse and speculative knobs) of a point's command: two rows of the same point
     measured with different knobs are different rows of a merged report."""
     flags = {"--" + k.replace("_", "-") for k in SPARSE_KNOBS + SPEC_KNOBS}
+    switches = {"--sparse-admit-stream", "--no-sparse-admit-stream"}   # on/off flags: no value
     argv = shlex.split(command)
-    return tuple((a, "" if "=" in a else b) for a, b in zip(argv, argv[1:] + [""]) if a.split("=")[0] in flags)
+    return tuple((a, "" if "=" in a or a in switches else b) for a, b in zip(argv, argv[1:] + [""])
+                 if a.split("=")[0] in flags | switches)
 
 
 def merge(paths: list[str], out_dir: str, name: str) -> dict:
