@@ -342,7 +342,8 @@ def test_interp_pack_kernel_is_reference_bytes(D, fmt):
     k[1, 2, 7] = 3.5 * s8                                       # an int8 tie: rounds to the even code 4
     sv = (v[1, 1, :min(64, D)].abs().amax() / 7.0).half().float()
     v[1, 1, 3] = -1.5 * sv                                      # a value tie: -2
-    assert torch.equal(qk.pack_kv_triton(k, v, fmt), qk.pack_kv_ref(k, v, fmt))
+    dirty = torch.full((*k.shape[:2], qk.head_record_bytes(fmt, D)), 0xAB, dtype=torch.uint8)  # padding written too
+    assert torch.equal(qk.pack_kv_triton(k, v, fmt, out=dirty), qk.pack_kv_ref(k, v, fmt))
 
 
 # ---- hot buffer: windowed CLOCK -------------------------------------------------------------------

@@ -157,9 +157,11 @@ if triton is not None:
 
     @triton.jit
     def _pack_kv_kernel(k_ptr, v_ptr, rec_ptr, rec16_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                        HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, K8: tl.constexpr):
+                        HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, K8: tl.constexpr,
+                        USED: tl.constexpr, PADP: tl.constexpr):
         # program (token t, KV head h): its head record, int4 [K codes][V codes][K scales][V scales] or
-        # (K8) k8v4 [K int8][V codes][K scale][V scales]; rec16: the same bytes as fp16 (scales at even offsets)
+        # (K8) k8v4 [K int8][V codes][K scale][V scales], then zeros up to RB (USED: the fields' bytes, PADP: the
+        # padding's, rounded up to a power of two); rec16: the same bytes as fp16 (scales at even offsets)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         NG: tl.constexpr = D // G
@@ -173,21 +175,26 @@ if triton is not None:
         else:
             _int4_groups(k, rec, rec16 + D // 2, NG, G)
             _int4_groups(v, rec + D // 2, rec16 + D // 2 + NG, NG, G)
+        if RB > USED:
+            pad = tl.arange(0, PADP)
+            tl.store(rec + USED + pad, tl.zeros([PADP], tl.uint8), mask=pad < RB - USED)
 
 
-def pack_kv_triton(k: torch.Tensor, v: torch.Tensor, fmt: str = "int4") -> torch.Tensor:
+def pack_kv_triton(k: torch.Tensor, v: torch.Tensor, fmt: str = "int4",
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """pack_kv(k, v, fmt) in one kernel for fmt int4 or k8v4: k, v [T, Hkv, D] (head dims contiguous) ->
-    uint8 [T, Hkv, RB]."""
+    uint8 [T, Hkv, RB] (into `out` if given: every byte is written, padding included)."""
     T, Hkv, D = k.shape
     G, RB = group_size(D), head_record_bytes(fmt, D)
     assert fmt in ("int4", "k8v4") and k.stride(2) == v.stride(2) == 1 and G & (G - 1) == 0
     assert D // G & (D // G - 1) == 0 and (fmt == "int4" or D % 4 == 0)
     used = D + 4 * (D // G) if fmt == "int4" else D + D // 2 + 2 + 2 * (D // G)
-    alloc = torch.zeros if RB != used else torch.empty      # padding bytes stay 0
-    rec = alloc(T, Hkv, RB, dtype=torch.uint8, device=k.device)
+    rec = torch.empty(T, Hkv, RB, dtype=torch.uint8, device=k.device) if out is None else out
+    assert rec.shape == (T, Hkv, RB) and rec.dtype == torch.uint8 and rec.is_contiguous()
     if T:
         _pack_kv_kernel[(T, Hkv)](k, v, rec, rec.view(torch.float16), k.stride(0), k.stride(1), v.stride(0),
-                                  v.stride(1), HKV=Hkv, D=D, G=G, RB=RB, K8=fmt == "k8v4", num_warps=2)
+                                  v.stride(1), HKV=Hkv, D=D, G=G, RB=RB, K8=fmt == "k8v4", USED=used,
+                                  PADP=triton.next_power_of_2(max(RB - used, 1)), num_warps=2)
     return rec
 
 
