@@ -52,6 +52,7 @@ class SparseConfig:
     tier_kernel: str = field(default="triton", metadata={"help": "the host tier's per-step kernels: triton (fused kernels per layer: the K/V scratch composition, the CLOCK admit and its row copies; H200 run 17, 27B shape at 8 x 250K: ~5,400 instead of ~8,300 kernels per step, the tier's torch index/elementwise time 15.0 -> 5.1 ms) | torch (the PyTorch reference: the same result, ~50 small kernels per layer and step)"})
     gpu_budget_gb: float | None = field(default=None, metadata={"help": "GPU memory for the tier: sketches, sinks + tails, hot buffer (default: what is free after weights and activations)"})
     admit_stream: bool = field(default=True, metadata={"help": "on CUDA, each layer's hot-buffer admit (CLOCK placement, row copies) and, in plain decode steps, the new tokens' host rows and sketches run on a side stream, overlapped with the next layers; the step joins it at its end (nothing reads them before the next step)"})
+    host_residual_keys: bool = field(default=False, metadata={"help": "host K rows hold each key minus what its GPU sketch rebuilds (mean + basis x int4 coefficients), quantised in the host format and added back when read: the same bytes, a smaller error (CPU study, benchmarks/results/int4-residual-keys-cpu-2026-12-03/: int4's KL halved or better); sketch selector only (not qwen4_exp QSA); not yet measured on a GPU"})
 
 
 def resolved_prefill_selection(sp: SparseConfig) -> str:

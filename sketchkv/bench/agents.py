@@ -63,7 +63,7 @@ SPEC_KNOBS = ("num_speculative_tokens", "mtp_attention_window")
 SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_host_format",
                 "sparse_hot_fraction", "sparse_host_budget_gb", "sparse_gpu_budget_gb", "sparse_basis",
                 "sparse_head_combine", "sparse_score_kernel", "sparse_tier_kernel", "sparse_verify_selection",
-                "sparse_prefill_selection", "sparse_admit_stream")
+                "sparse_prefill_selection", "sparse_admit_stream", "sparse_host_residual_keys")
 LONG = 240_000  # "250K-class" contexts for the goal checks
 
 
@@ -261,15 +261,16 @@ def fill_random(eng, seq, filled: int, gen) -> None:
         for m in r.attn_layers:
             k = torch.randn(len(p), c.num_kv_heads, c.head_dim, device=dev, generator=gen).to(r.dtype)
             v = torch.randn(len(p), c.num_kv_heads, c.head_dim, device=dev, generator=gen).to(r.dtype)
-            if m in r.tier_layers:
-                r.tier.store.write(m.layer, slots, k, v)
-            else:
-                m.k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, k)
-                m.v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, v)
-            if isinstance(m, SparseAttention):
+            if isinstance(m, SparseAttention):   # first: residual host keys are taken against the sketch
                 packed, scale = m.sketch_keys(k)
                 m.sketch.view(-1, c.num_kv_heads, m.rank // 2).index_copy_(0, slots, packed)
                 m.sketch_scale.view(-1, c.num_kv_heads).index_copy_(0, slots, scale)
+            if m in r.tier_layers:
+                base = r.tier.key_base
+                r.tier.store.write(m.layer, slots, k if base is None else k.float() - base[m.layer](slots), v)
+            else:
+                m.k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, k)
+                m.v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, v)
     for m in r.qsa_layers:  # qwen4_exp: random (unit-scale, like RMSNormed) block keys for the filled blocks;
         # `filled` is a multiple of the block size, hence of the compress ratio: the raw index tail stays empty
         first = torch.arange(0, filled, m.ratio, device=dev)
@@ -744,7 +745,7 @@ def engine_knobs(command: str) -> tuple:
     """The engine flags (sparse and speculative knobs) of a point's command: two rows of the same point
     measured with different knobs are different rows of a merged report."""
     flags = {"--" + k.replace("_", "-") for k in SPARSE_KNOBS + SPEC_KNOBS}
-    switches = {"--sparse-admit-stream", "--no-sparse-admit-stream"}   # on/off flags: no value
+    switches = {f"--{no}sparse-{k}" for no in ("", "no-") for k in ("admit-stream", "host-residual-keys")}  # no value
     argv = shlex.split(command)
     return tuple((a, "" if "=" in a or a in switches else b) for a, b in zip(argv, argv[1:] + [""])
                  if a.split("=")[0] in flags | switches)

@@ -106,6 +106,10 @@ class ModelRunner:
                 m.prefill_backend = cfg.prefill_attention
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
         self.tier_layers = [m for m in self.attn_layers if isinstance(m, TieredKV)]
+        if cfg.sparse.host_residual_keys and not (self.tier_layers and all(isinstance(m, SparseAttention)
+                                                                           for m in self.tier_layers)):
+            raise RequestError("sparse_host_residual_keys needs the host tier (sparse_host_tier) with the key sketch "
+                               "selector (a qwen4_exp model's QSA indexer keeps no sketch to rebuild keys from)")
         self.qsa_layers = [m for m in self.attn_layers if isinstance(m, IndexedAttention)]
         for m in self.qsa_layers:
             if self.block_size % m.ratio:
@@ -288,6 +292,8 @@ class ModelRunner:
                                  admit_stream=sp.admit_stream)
             for m in self.tier_layers:
                 m.tier = self.tier
+            if sp.host_residual_keys:   # the sketch layers rebuild their part of each key (checked in __init__)
+                self.tier.key_base = [m.sketch_base for m in sorted(self.tier_layers, key=lambda m: m.layer)]
         for m in self.qsa_layers:  # block keys, paged like the KV; one extra (dump) row
             m.block_size = self.block_size
             m.index_keys = torch.zeros(num_blocks * (self.block_size // m.ratio) + 1, m.index_dim, dtype=self.dtype,

@@ -102,6 +102,9 @@ class HostTier:
         # tensors the side stream reads alive until then (no reuse by the main stream's allocations)
         self.admit_stream = torch.cuda.Stream(device) if admit_stream and device.type == "cuda" else None
         self._pending: list = []
+        # residual keys (sparse host_residual_keys): per layer, slots [N] -> what the GPU sketch rebuilds of those
+        # keys (fp32 [N, Hkv, D]); host K rows hold k minus it, every read adds it back. Bound by the model runner.
+        self.key_base: list | None = None
 
     # ---- sizes ------------------------------------------------------------------------------------
     @staticmethod
@@ -188,6 +191,9 @@ class HostTier:
             rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
             for layer in range(self.L):
                 self.store.gather(layer, slots_t, self.res_k[layer], self.res_v[layer], rows_t)
+                if self.key_base is not None:
+                    k = self.res_k[layer]
+                    k.index_copy_(0, rows_t, self._with_base(layer, slots_t, k[rows_t]))
 
     # ---- one step of one layer (device side, no host sync) ------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, resident_rows: torch.Tensor, k: torch.Tensor,
@@ -197,7 +203,9 @@ class HostTier:
         the side stream: no row of the step's tokens is read from the host before the step ends (the tokens
         are in the recent window, read from the resident rows)."""
         with self.side(slots, k, v, on=off_path):
-            self.store.write(layer, slots, k, v)
+            # (residual keys: after the sketches of these slots, written earlier on this stream or before the fork)
+            kh = k if self.key_base is None else k.float() - self.key_base[layer](slots)
+            self.store.write(layer, slots, kh, v)
         if layer == 0:  # every layer's hot rows of these slots at once (no layer picks a new token: it is recent)
             self.hot.invalidate(slots)
         write_resident(self.res_k[layer], self.res_v[layer], resident_rows, k, v)
@@ -212,7 +220,13 @@ class HostTier:
         k = torch.empty(pos.shape[0], self.Hkv, self.D, dtype=dtype, device=self.res_k.device)
         v = torch.empty_like(k)
         self.store.gather(layer, slots, k, v)
+        if self.key_base is not None:
+            k = self._with_base(layer, slots, k)
         return k, v
+
+    def _with_base(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Residual keys read from host records [N, Hkv, D] -> the keys (their sketch's part added back)."""
+        return (k.float() + self.key_base[layer](slots)).to(k.dtype)
 
     def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, state_slots: torch.Tensor):
@@ -236,6 +250,10 @@ class HostTier:
         # lookup's miss count (the same rows), not by a reduction here.
         self.store.gather(layer, miss.flatten(), kf, vf, raw=rec, count=False)
         host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
+        if self.key_base is not None:   # rows from host records (misses, hot hits: their keys); resident rows: -1
+            hit_slot = self.hot.key[layer][hit.clamp_min(0)]
+            slots = torch.where(miss >= 0, miss, torch.where(hit >= 0, hit_slot, -1)).flatten()
+            kf.copy_(self._with_base(layer, slots, kf))
         return k, v, miss, rec.view(B, Np, -1)
 
     def admit(self, layer: int, pids, miss: torch.Tensor, records: torch.Tensor, graph: bool = False) -> torch.Tensor:
