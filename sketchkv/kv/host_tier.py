@@ -224,9 +224,15 @@ class HostTier:
             k = self._with_base(layer, slots, k)
         return k, v
 
-    def _with_base(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Residual keys read from host records [N, Hkv, D] -> the keys (their sketch's part added back)."""
-        return (k.float() + self.key_base[layer](slots)).to(k.dtype)
+    def _with_base(self, layer: int, slots: torch.Tensor, k: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
+        """Residual keys read from host records [N, Hkv, D] -> the keys (their sketch's part added back), in chunks
+        of rows (a prefix read of 250K rows would otherwise hold 1 GB of fp32 per layer at the 27B shape)."""
+        if k.shape[0] <= chunk:
+            return (k.float() + self.key_base[layer](slots)).to(k.dtype)
+        out = torch.empty_like(k)
+        for i in range(0, k.shape[0], chunk):
+            out[i:i + chunk] = self._with_base(layer, slots[i:i + chunk], k[i:i + chunk], chunk)
+        return out
 
     def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, state_slots: torch.Tensor):
