@@ -54,17 +54,17 @@ from sketchkv.errors import SketchKVError
 
 CONFIGS = ("sparse", "dense", "hf")
 LABELS = {"sparse": "sketchkv sparse + host tier", "dense": "sketchkv dense", "hf": "transformers dense"}
-
-
-def label(config: str, host_format: str) -> str:
-    """A row's name in the reports: the sparse rows name their host format (runs with other formats merge)."""
-    return LABELS[config] + (f" ({host_format} rows)" if config == "sparse" else "")
 SPEC_KNOBS = ("num_speculative_tokens", "mtp_attention_window")
 SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_host_format",
                 "sparse_hot_fraction", "sparse_host_budget_gb", "sparse_gpu_budget_gb", "sparse_basis",
                 "sparse_head_combine", "sparse_score_kernel", "sparse_tier_kernel", "sparse_verify_selection",
                 "sparse_prefill_selection", "sparse_admit_stream", "sparse_host_residual_keys")
 LONG = 240_000  # "250K-class" contexts for the goal checks
+
+
+def label(config: str, host_format: str) -> str:
+    """A row's name in the reports: the sparse rows name their host format (runs with other formats merge)."""
+    return LABELS[config] + (f" ({host_format} rows)" if config == "sparse" else "")
 
 
 def parse_tokens(s: str) -> int:
@@ -266,8 +266,7 @@ def fill_random(eng, seq, filled: int, gen) -> None:
                 m.sketch.view(-1, c.num_kv_heads, m.rank // 2).index_copy_(0, slots, packed)
                 m.sketch_scale.view(-1, c.num_kv_heads).index_copy_(0, slots, scale)
             if m in r.tier_layers:
-                base = r.tier.key_base
-                r.tier.store.write(m.layer, slots, k if base is None else k.float() - base[m.layer](slots), v)
+                r.tier.store.write(m.layer, slots, r.tier.host_keys(m.layer, slots, k), v)
             else:
                 m.k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, k)
                 m.v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, v)
@@ -605,7 +604,8 @@ def run(args, name: str, write: bool = True) -> dict:
                "text": source, "sparse": {"top_k": sp.top_k, "sink_tokens": sp.sink_tokens,
                                           "recent_tokens": sp.recent_tokens, "host_format": sp.host_format,
                                           "hot_fraction": sp.hot_fraction, "prefill_selection": prefill_selection},
-               "capacity": [{"config": c, "context": L, "host_format": sp.host_format, **v} for (c, L), v in caps.items()],
+               "capacity": [{"config": c, "context": L, "host_format": sp.host_format, **v}
+                            for (c, L), v in caps.items()],
                "rows": []}
     out_paths = None
     for cfgname in args.configs:
@@ -617,8 +617,9 @@ def run(args, name: str, write: bool = True) -> dict:
                     n = caps[(cfgname, L)]["max_agents"]
                 points.append((L, a, n))
         row0 = lambda L, a, n: {"config": cfgname, "label": label(cfgname, sp.host_format),  # noqa: E731
-                                "agents": n, "agents_arg": a, "context": L, "command": point_command(argv, cfgname, n if a != "max" else "max", L,
-                                                                       prefill_selection if cfgname == "sparse" else None)}
+                                "agents": n, "agents_arg": a, "context": L,
+                                "command": point_command(argv, cfgname, n if a != "max" else "max", L,
+                                                         prefill_selection if cfgname == "sparse" else None)}
         runnable, llm, hf = [], None, None
         for L, a, n in points:
             cap = caps[(cfgname, L)]
@@ -908,7 +909,8 @@ def markdown(r: dict, png: str) -> str:
           "budget. transformers adds its one-forward prefill activations per agent.", "",
           "| config | context | GPU GB/agent | host GB/agent | max agents |", "|---|---|---|---|---|"]
     for c in r.get("capacity", []):
-        L.append(f"| {label(c['config'], c.get('host_format', r['sparse']['host_format']))} | {C.fmt_len(c['context'])} | {c['per_agent_gpu'] / 1e9:.3g} | "
+        L.append(f"| {label(c['config'], c['host_format'])} | {C.fmt_len(c['context'])} | "
+                 f"{c['per_agent_gpu'] / 1e9:.3g} | "
                  f"{c['per_agent_host'] / 1e9:.3g} | {c['max_agents']} |")
     if r.get("goals"):
         L += ["", "## Goals (issue 8)", "", "| goal | value | met |", "|---|---|---|"]

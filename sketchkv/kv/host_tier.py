@@ -204,8 +204,7 @@ class HostTier:
         are in the recent window, read from the resident rows)."""
         with self.side(slots, k, v, on=off_path):
             # (residual keys: after the sketches of these slots, written earlier on this stream or before the fork)
-            kh = k if self.key_base is None else k.float() - self.key_base[layer](slots)
-            self.store.write(layer, slots, kh, v)
+            self.store.write(layer, slots, self.host_keys(layer, slots, k), v)
         if layer == 0:  # every layer's hot rows of these slots at once (no layer picks a new token: it is recent)
             self.hot.invalidate(slots)
         write_resident(self.res_k[layer], self.res_v[layer], resident_rows, k, v)
@@ -224,14 +223,17 @@ class HostTier:
             k = self._with_base(layer, slots, k)
         return k, v
 
+    def host_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The keys [T, Hkv, D] as the host rows hold them: themselves, or with residual keys minus their sketch's
+        part (the sketches of these slots must be written already)."""
+        return k if self.key_base is None else k.float() - self.key_base[layer](slots)
+
     def _with_base(self, layer: int, slots: torch.Tensor, k: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
         """Residual keys read from host records [N, Hkv, D] -> the keys (their sketch's part added back), in chunks
         of rows (a prefix read of 250K rows would otherwise hold 1 GB of fp32 per layer at the 27B shape)."""
-        if k.shape[0] <= chunk:
-            return (k.float() + self.key_base[layer](slots)).to(k.dtype)
         out = torch.empty_like(k)
         for i in range(0, k.shape[0], chunk):
-            out[i:i + chunk] = self._with_base(layer, slots[i:i + chunk], k[i:i + chunk], chunk)
+            out[i:i + chunk] = k[i:i + chunk].float() + self.key_base[layer](slots[i:i + chunk])
         return out
 
     def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,

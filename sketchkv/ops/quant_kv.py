@@ -60,20 +60,23 @@ def _pad16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
+def record_fields_bytes(fmt: str, head_dim: int) -> int:
+    """Bytes of a head record's fields, before the padding to 16."""
+    D = head_dim
+    if fmt in ("int4", "k8v4"):
+        assert D % 8 == 0 and D % group_size(D) == 0, f"{fmt} host rows need head_dim a multiple of 8"
+        scales = 2 * (D // group_size(D))
+        return D + 2 * scales if fmt == "int4" else D + D // 2 + 2 + scales
+    if fmt == "int8":
+        return 2 * D + 4
+    if fmt == "bf16":
+        return 4 * D
+    raise ValueError(f"unknown host KV format {fmt!r} (one of {FORMATS})")
+
+
 def head_record_bytes(fmt: str, head_dim: int) -> int:
     """Bytes of one token's K+V for one KV head (a head record, 16-byte padded)."""
-    D = head_dim
-    if fmt == "int4":
-        assert D % 8 == 0 and D % group_size(D) == 0, "int4 host rows need head_dim a multiple of 8"
-        return _pad16(D + 4 * (D // group_size(D)))
-    if fmt == "int8":
-        return _pad16(2 * D + 4)
-    if fmt == "bf16":
-        return _pad16(4 * D)
-    if fmt == "k8v4":
-        assert D % 8 == 0 and D % group_size(D) == 0, "k8v4 host rows need head_dim a multiple of 8"
-        return _pad16(D + D // 2 + 2 + 2 * (D // group_size(D)))
-    raise ValueError(f"unknown host KV format {fmt!r} (one of {FORMATS})")
+    return _pad16(record_fields_bytes(fmt, head_dim))
 
 
 def row_bytes(fmt: str, num_kv_heads: int, head_dim: int) -> int:
@@ -188,7 +191,7 @@ def pack_kv_triton(k: torch.Tensor, v: torch.Tensor, fmt: str = "int4",
     G, RB = group_size(D), head_record_bytes(fmt, D)
     assert fmt in ("int4", "k8v4") and k.stride(2) == v.stride(2) == 1 and G & (G - 1) == 0
     assert D // G & (D // G - 1) == 0 and (fmt == "int4" or D % 4 == 0)
-    used = D + 4 * (D // G) if fmt == "int4" else D + D // 2 + 2 + 2 * (D // G)
+    used = record_fields_bytes(fmt, D)
     rec = torch.empty(T, Hkv, RB, dtype=torch.uint8, device=k.device) if out is None else out
     assert rec.shape == (T, Hkv, RB) and rec.dtype == torch.uint8 and rec.is_contiguous()
     if T:
