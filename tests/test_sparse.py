@@ -10,9 +10,11 @@ from sketchkv.errors import CheckpointError
 from sketchkv.kv.basis import KeyBasis
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
-from sketchkv.ops.sketch import (dequantize_int4, project_queries, project_queries_ref, quantize_int4, sketch_score,
-                                 sketch_score_dot, sketch_score_ref, softmax_combine)
+from sketchkv.ops.sketch import (dequantize_int4, project_queries, project_queries_ref, quantize_int4,
+                                 sketch_keys_ref, sketch_score, sketch_score_dot, sketch_score_ref,
+                                 softmax_combine)
 from sketchkv.ops.selection import compose_selection, compose_selection_ref
+from sketchkv.ops.sketch_base import apply_sketch_base, sketch_base_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk, topk_positions, topk_positions_torch,
                                topk_ref)
@@ -381,6 +383,57 @@ def test_interp_project_queries_kernel_matches_reference(B, Hkv, G, D, r):
 @pytest.mark.gpu
 def test_gpu_project_queries_kernel_matches_reference():
     _assert_project_queries_matches(8, 4, 6, 256, 64, "cuda")
+
+
+def _assert_sketch_base_matches(Hkv, D, r, N, device="cpu"):
+    """apply_sketch_base (one kernel) = x +/- the reference's mean + basis x dequantised coefficients: real int4
+    sketches of random keys, slots with -1 (rows left as they are) and repeats, a strided x (the tier's scratch
+    view), in place and into another dtype."""
+    g = torch.Generator().manual_seed(N + r)
+    slots_total = 96
+    basis = torch.linalg.qr(torch.randn(Hkv, D, D, generator=g))[0][..., :r].contiguous().to(device)
+    mean = torch.randn(Hkv, D, generator=g).to(device)
+    keys = torch.randn(slots_total, Hkv, D, generator=g).to(device) * 3 + mean
+    sk, sc = sketch_keys_ref(keys, mean, basis)
+    sk, sc = sk.contiguous().view(slots_total // 16, 16, Hkv, r // 2), sc.view(slots_total // 16, 16, Hkv)
+    slots = torch.randint(-1, slots_total, (N,), generator=g).to(device)
+    slots[:3] = -1
+    slots[3:6] = 5
+    want_base = sketch_base_ref(slots, sk, sc, mean, basis)
+    assert (want_base[slots < 0] == 0).all()
+    # with every slot valid and no quantisation error the base would be the key's projection on the basis
+    proj = mean + torch.einsum("nhr,hdr->nhd", torch.einsum("nhd,hdr->nhr", keys - mean, basis), basis)
+    ok = slots >= 0
+    assert (want_base[ok] - proj[slots[ok]]).abs().amax() < 0.5 * proj.abs().amax()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(N, Hkv, 2 * D, generator=g).to(dtype).to(device)[..., :D]
+        for sign in (1, -1):
+            want = (x.float() + sign * want_base).to(dtype)
+            got = apply_sketch_base(x, slots, sk, sc, mean, basis, sign)
+            torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4)
+            assert torch.equal(got[~ok], x[~ok])
+            out32 = apply_sketch_base(x, slots, sk, sc, mean, basis, sign,
+                                      out=torch.empty(N, Hkv, D, device=device))
+            torch.testing.assert_close(out32, x.float() + sign * want_base, rtol=1e-5, atol=1e-4)
+        y = x.clone()
+        apply_sketch_base(y, slots, sk, sc, mean, basis, 1, out=y)
+        torch.testing.assert_close(apply_sketch_base(y, slots, sk, sc, mean, basis, -1), x,
+                                   rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-4 if dtype == torch.float32 else 0.1)
+
+
+@needs_interp
+@pytest.mark.parametrize("Hkv,D,r,N", [(4, 256, 64, 70), (1, 64, 16, 33)])
+def test_interp_sketch_base_kernel_matches_reference(Hkv, D, r, N):
+    _assert_sketch_base_matches(Hkv, D, r, N)
+
+
+def test_sketch_base_torch_path_matches_reference():
+    _assert_sketch_base_matches(2, 32, 8, 40)   # rank 8: below the kernel's smallest dot; torch in chunks
+
+
+@pytest.mark.gpu
+def test_gpu_sketch_base_kernel_matches_reference():
+    _assert_sketch_base_matches(4, 256, 64, 29000, "cuda")
 
 
 def test_interpreter_child():

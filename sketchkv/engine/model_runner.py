@@ -293,7 +293,7 @@ class ModelRunner:
             for m in self.tier_layers:
                 m.tier = self.tier
             if sp.host_residual_keys:   # the sketch layers rebuild their part of each key (checked in __init__)
-                self.tier.key_base = [m.sketch_base for m in sorted(self.tier_layers, key=lambda m: m.layer)]
+                self.tier.key_base = [m.with_sketch_base for m in sorted(self.tier_layers, key=lambda m: m.layer)]
         for m in self.qsa_layers:  # block keys, paged like the KV; one extra (dump) row
             m.block_size = self.block_size
             m.index_keys = torch.zeros(num_blocks * (self.block_size // m.ratio) + 1, m.index_dim, dtype=self.dtype,

@@ -102,8 +102,9 @@ class HostTier:
         # tensors the side stream reads alive until then (no reuse by the main stream's allocations)
         self.admit_stream = torch.cuda.Stream(device) if admit_stream and device.type == "cuda" else None
         self._pending: list = []
-        # residual keys (sparse host_residual_keys): per layer, slots [N] -> what the GPU sketch rebuilds of those
-        # keys (fp32 [N, Hkv, D]); host K rows hold k minus it, every read adds it back. Bound by the model runner.
+        # residual keys (sparse host_residual_keys): per layer, (x, slots, sign, out) -> x +/- what the GPU sketches
+        # at those slots rebuild of their keys; host K rows hold k minus it, every read adds it back (one kernel on
+        # CUDA, ops/sketch_base.py). Bound by the model runner to each layer's SparseAttention.with_sketch_base.
         self.key_base: list | None = None
 
     # ---- sizes ------------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ class HostTier:
                 self.store.gather(layer, slots_t, self.res_k[layer], self.res_v[layer], rows_t)
                 if self.key_base is not None:
                     k = self.res_k[layer]
-                    k.index_copy_(0, rows_t, self._with_base(layer, slots_t, k[rows_t]))
+                    k.index_copy_(0, rows_t, self.key_base[layer](k[rows_t], slots_t, +1))
 
     # ---- one step of one layer (device side, no host sync) ------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, resident_rows: torch.Tensor, k: torch.Tensor,
@@ -220,21 +221,15 @@ class HostTier:
         v = torch.empty_like(k)
         self.store.gather(layer, slots, k, v)
         if self.key_base is not None:
-            k = self._with_base(layer, slots, k)
+            self.key_base[layer](k, slots, +1, out=k)
         return k, v
 
     def host_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The keys [T, Hkv, D] as the host rows hold them: themselves, or with residual keys minus their sketch's
         part (the sketches of these slots must be written already)."""
-        return k if self.key_base is None else k.float() - self.key_base[layer](slots)
-
-    def _with_base(self, layer: int, slots: torch.Tensor, k: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
-        """Residual keys read from host records [N, Hkv, D] -> the keys (their sketch's part added back), in chunks
-        of rows (a prefix read of 250K rows would otherwise hold 1 GB of fp32 per layer at the 27B shape)."""
-        out = torch.empty_like(k)
-        for i in range(0, k.shape[0], chunk):
-            out[i:i + chunk] = k[i:i + chunk].float() + self.key_base[layer](slots[i:i + chunk])
-        return out
+        if self.key_base is None:
+            return k
+        return self.key_base[layer](k, slots, -1, out=torch.empty(k.shape, dtype=torch.float32, device=k.device))
 
     def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, state_slots: torch.Tensor):
@@ -261,7 +256,7 @@ class HostTier:
         if self.key_base is not None:   # rows from host records (misses, hot hits: their keys); resident rows: -1
             hit_slot = self.hot.key[layer][hit.clamp_min(0)]
             slots = torch.where(miss >= 0, miss, torch.where(hit >= 0, hit_slot, -1)).flatten()
-            kf.copy_(self._with_base(layer, slots, kf))
+            self.key_base[layer](kf, slots, +1, out=kf)
         return k, v, miss, rec.view(B, Np, -1)
 
     def admit(self, layer: int, pids, miss: torch.Tensor, records: torch.Tensor, graph: bool = False) -> torch.Tensor:

@@ -20,8 +20,8 @@ from sketchkv.config import SparseConfig
 from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
 from sketchkv.ops.selection import SENTINEL, compose_selection
-from sketchkv.ops.sketch import (dequantize_int4, exact_key_scores, project_queries, sketch_keys_ref, sketch_score,
-                                 sketch_write)
+from sketchkv.ops.sketch import exact_key_scores, project_queries, sketch_keys_ref, sketch_score, sketch_write
+from sketchkv.ops.sketch_base import apply_sketch_base
 from sketchkv.ops.prefill_attention import prefix_causal_attention
 from sketchkv.ops.sparse_attention import sparse_attention
 from sketchkv.ops.topk import topk_positions
@@ -56,15 +56,11 @@ class SparseAttention(Attention):
         """The new tokens' sketches at their cache slots."""
         sketch_write(k, self.mean, self.basis, self.sketch, self.sketch_scale, get_context().slot_mapping)
 
-    def sketch_base(self, slots: torch.Tensor) -> torch.Tensor:
-        """What the sketches at cache slots [N] rebuild of their keys: mean + basis x dequantised coefficients,
-        fp32 [N, Hkv, D] (0 where slot < 0). The host tier's residual keys (sparse host_residual_keys) store
-        k - this and add it back when read."""
-        Hkv = self.num_kv_heads
-        s = slots.clamp_min(0)
-        coeff = dequantize_int4(self.sketch.view(-1, Hkv, self.rank // 2)[s], self.sketch_scale.view(-1, Hkv)[s])
-        base = self.mean + torch.einsum("nhr,hdr->nhd", coeff, self.basis)
-        return torch.where((slots >= 0)[:, None, None], base, 0.0)
+    def with_sketch_base(self, x: torch.Tensor, slots: torch.Tensor, sign: int, out=None) -> torch.Tensor:
+        """x [N, Hkv, D] +/- what the sketches at cache slots [N] rebuild of their keys (mean + basis x dequantised
+        coefficients; rows with slot < 0 unchanged). The host tier's residual keys (sparse host_residual_keys)
+        store k - that (sign -1) and add it back when read (sign +1)."""
+        return apply_sketch_base(x, slots, self.sketch, self.sketch_scale, self.mean, self.basis, sign, out)
 
     def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:
         if not sparse:
