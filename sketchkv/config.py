@@ -52,7 +52,15 @@ class SparseConfig:
     tier_kernel: str = field(default="triton", metadata={"help": "the host tier's per-step kernels: triton (fused kernels per layer: the K/V scratch composition, the CLOCK admit and its row copies; H200 run 17, 27B shape at 8 x 250K: ~5,400 instead of ~8,300 kernels per step, the tier's torch index/elementwise time 15.0 -> 5.1 ms) | torch (the PyTorch reference: the same result, ~50 small kernels per layer and step)"})
     gpu_budget_gb: float | None = field(default=None, metadata={"help": "GPU memory for the tier: sketches, sinks + tails, hot buffer (default: what is free after weights and activations)"})
     admit_stream: bool = field(default=True, metadata={"help": "on CUDA, each layer's hot-buffer admit (CLOCK placement, row copies) and, in plain decode steps, the new tokens' host rows and sketches run on a side stream, overlapped with the next layers; the step joins it at its end (nothing reads them before the next step)"})
-    host_residual_keys: bool = field(default=False, metadata={"help": "host K rows hold each key minus what its GPU sketch rebuilds (mean + basis x int4 coefficients), quantised in the host format and added back when read: the same bytes, a smaller error (CPU study, benchmarks/results/int4-residual-keys-cpu-2026-12-03/: int4's KL halved or better); sketch selector only (not qwen4_exp QSA); not yet measured on a GPU"})
+    host_residual_keys: bool | None = field(default=None, metadata={"help": "host K rows hold each key minus what its GPU sketch rebuilds (mean + basis x int4 coefficients), quantised in the host format and added back when read (one kernel per layer and step): the same bytes, a smaller error. None (auto): on with int4 rows and the key sketch, off otherwise (bf16 rows need no help; qwen4_exp QSA keeps no sketch). H200 run 78, reference model, KL over bf16 rows at 64K / 128K: int4 +0.0023 / +0.0020 -> +0.0013 / +0.0002; 27B shape at 8 x 250K: +0.4 ms per step (31.08 vs 30.68 ms, within the run-to-run spread)"})
+
+
+def resolved_host_residual_keys(sp: SparseConfig, sketch_selector: bool) -> bool:
+    """host_residual_keys=None (auto) -> on for int4 host rows under the key sketch (measured: issue 5's int4 error
+    roughly halved), off otherwise; an explicit value stands (the runner refuses True without a sketch)."""
+    if sp.host_residual_keys is not None:
+        return sp.host_residual_keys
+    return bool(sp.sparse and sp.host_tier and sp.host_format == "int4" and sketch_selector)
 
 
 def resolved_prefill_selection(sp: SparseConfig) -> str:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from sketchkv.config import EngineConfig, resolved_prefill_selection
+from sketchkv.config import EngineConfig, resolved_host_residual_keys, resolved_prefill_selection
 from sketchkv.engine.context import Context, VerifyRows, set_context
 from sketchkv.engine.phase_timer import PhaseTimer
 from sketchkv.engine.sequence import Sequence, block_tables
@@ -106,8 +106,9 @@ class ModelRunner:
                 m.prefill_backend = cfg.prefill_attention
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
         self.tier_layers = [m for m in self.attn_layers if isinstance(m, TieredKV)]
-        if cfg.sparse.host_residual_keys and not (self.tier_layers and all(isinstance(m, SparseAttention)
-                                                                           for m in self.tier_layers)):
+        sketch_tier = bool(self.tier_layers) and all(isinstance(m, SparseAttention) for m in self.tier_layers)
+        self.residual_keys = resolved_host_residual_keys(cfg.sparse, sketch_tier)
+        if self.residual_keys and not sketch_tier:
             raise RequestError("sparse_host_residual_keys needs the host tier (sparse_host_tier) with the key sketch "
                                "selector (a qwen4_exp model's QSA indexer keeps no sketch to rebuild keys from)")
         self.qsa_layers = [m for m in self.attn_layers if isinstance(m, IndexedAttention)]
@@ -292,7 +293,7 @@ class ModelRunner:
                                  admit_stream=sp.admit_stream)
             for m in self.tier_layers:
                 m.tier = self.tier
-            if sp.host_residual_keys:   # the sketch layers rebuild their part of each key (checked in __init__)
+            if self.residual_keys:   # the sketch layers rebuild their part of each key (checked in __init__)
                 self.tier.key_base = [m.with_sketch_base for m in sorted(self.tier_layers, key=lambda m: m.layer)]
         for m in self.qsa_layers:  # block keys, paged like the KV; one extra (dump) row
             m.block_size = self.block_size

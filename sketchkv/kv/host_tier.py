@@ -254,9 +254,7 @@ class HostTier:
         self.store.gather(layer, miss.flatten(), kf, vf, raw=rec, count=False)
         host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
         if self.key_base is not None:   # rows from host records (misses, hot hits: their keys); resident rows: -1
-            hit_slot = self.hot.key[layer][hit.clamp_min(0)]
-            slots = torch.where(miss >= 0, miss, torch.where(hit >= 0, hit_slot, -1)).flatten()
-            self.key_base[layer](kf, slots, +1, out=kf)
+            self.key_base[layer](kf, miss.flatten(), +1, out=kf, hits=hit.flatten(), pool_slots=self.hot.key[layer])
         return k, v, miss, rec.view(B, Np, -1)
 
     def admit(self, layer: int, pids, miss: torch.Tensor, records: torch.Tensor, graph: bool = False) -> torch.Tensor:

@@ -56,11 +56,13 @@ class SparseAttention(Attention):
         """The new tokens' sketches at their cache slots."""
         sketch_write(k, self.mean, self.basis, self.sketch, self.sketch_scale, get_context().slot_mapping)
 
-    def with_sketch_base(self, x: torch.Tensor, slots: torch.Tensor, sign: int, out=None) -> torch.Tensor:
+    def with_sketch_base(self, x: torch.Tensor, slots: torch.Tensor, sign: int, out=None, hits=None,
+                         pool_slots=None) -> torch.Tensor:
         """x [N, Hkv, D] +/- what the sketches at cache slots [N] rebuild of their keys (mean + basis x dequantised
-        coefficients; rows with slot < 0 unchanged). The host tier's residual keys (sparse host_residual_keys)
-        store k - that (sign -1) and add it back when read (sign +1)."""
-        return apply_sketch_base(x, slots, self.sketch, self.sketch_scale, self.mean, self.basis, sign, out)
+        coefficients; rows without a slot unchanged; hits / pool_slots: see ops.sketch_base.row_slots). The host
+        tier's residual keys (sparse host_residual_keys) store k - that (sign -1) and add it back when read (+1)."""
+        return apply_sketch_base(x, slots, self.sketch, self.sketch_scale, self.mean, self.basis, sign, out,
+                                 hits, pool_slots)
 
     def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:
         if not sparse:

@@ -3,8 +3,9 @@
 The host tier's residual keys (sparse host_residual_keys) store k - base in the host rows and add base back on
 every read. PyTorch reference (`sketch_base_ref`) + one Triton kernel that applies it in place of the torch
 temporaries (an fp32 [rows, Hkv, D] base per layer and read: ~100 MB at 8 x 250K for the 27B shape): per block of
-rows and KV head it dequantises the coefficients and multiplies them by the basis on the tensor cores (tf32x3:
-fp32-accurate products, so writes and reads rebuild the same base), then adds or subtracts it on the way through.
+rows and KV head it dequantises the coefficients and multiplies them by the basis on the tensor cores, then adds or
+subtracts it on the way through. The products are tf32: the base need not be the exact projection, only the same
+on the write (k - base) and every read (+ base), and a row's product does not depend on the other rows of its tile.
 
 Sketch layout: see ops/sketch.py (sketch [.., Hkv, r/2] uint8 at cache slots, scale [.., Hkv] fp16).
 """
@@ -31,12 +32,22 @@ def sketch_base_ref(slots: torch.Tensor, sketch: torch.Tensor, scale: torch.Tens
     return torch.where((slots >= 0)[:, None, None], base, 0.0)
 
 
+def row_slots(slots: torch.Tensor, hits: torch.Tensor | None, pool_slots: torch.Tensor | None) -> torch.Tensor:
+    """Each row's cache slot: slots[n] where >= 0, else pool_slots[hits[n]] where hits[n] >= 0 (a hot-buffer row
+    holding that slot's record), else -1."""
+    if hits is None:
+        return slots
+    return torch.where(slots >= 0, slots, torch.where(hits >= 0, pool_slots[hits.clamp_min(0)], -1))
+
+
 def apply_sketch_base(x: torch.Tensor, slots: torch.Tensor, sketch: torch.Tensor, scale: torch.Tensor,
                       mean: torch.Tensor, basis: torch.Tensor, sign: int, out: torch.Tensor | None = None,
-                      chunk: int = 16384) -> torch.Tensor:
-    """out = x + sign * base(slots) for rows [N, Hkv, D] whose slot >= 0, x elsewhere (sign +1: residual keys ->
-    keys, -1: keys -> residual keys). `out` may be x (in place); default: a new tensor of x's dtype. On CUDA (or
-    under the interpreter) one kernel; otherwise torch in chunks of rows (bounded fp32 temporaries)."""
+                      hits: torch.Tensor | None = None, pool_slots: torch.Tensor | None = None,
+                      chunk: int = 16384, block_rows: int = 64) -> torch.Tensor:
+    """out = x + sign * base(slot) for rows [N, Hkv, D] with a slot (see row_slots; hits / pool_slots: the tier
+    gather's hot rows and the pool's slot keys), x elsewhere (sign +1: residual keys -> keys, -1: keys -> residual
+    keys). `out` may be x (in place: rows without a slot are not touched); default: a new tensor of x's dtype. On
+    CUDA (or under the interpreter) one kernel; otherwise torch in chunks of rows (bounded fp32 temporaries)."""
     out = torch.empty_like(x) if out is None else out
     N, Hkv, D = x.shape
     r = basis.shape[-1]
@@ -46,11 +57,15 @@ def apply_sketch_base(x: torch.Tensor, slots: torch.Tensor, sketch: torch.Tensor
             and out.stride(2) == 1 and r >= 16 and r & (r - 1) == 0 and D >= 16 and D & (D - 1) == 0
             and basis.is_contiguous() and mean.is_contiguous() and sketch.is_contiguous() and scale.is_contiguous()
             and basis.dtype == mean.dtype == torch.float32):
-        BN, DC = 32, min(D, 64)
-        _apply_sketch_base_kernel[(triton.cdiv(N, BN), Hkv)](
-            x, out, slots.contiguous(), sketch, scale, mean, basis, N, x.stride(0), x.stride(1),
-            out.stride(0), out.stride(1), SIGN=sign, HKV=Hkv, D=D, R=r, BN=BN, DC=DC, num_warps=4)
+        DC = min(D, 64)
+        has_hits = hits is not None
+        _apply_sketch_base_kernel[(triton.cdiv(N, block_rows), Hkv)](
+            x, out, slots.contiguous(), hits.contiguous() if has_hits else slots, pool_slots if has_hits else slots,
+            sketch, scale, mean, basis, N, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            SIGN=sign, HITS=has_hits, SAME=out.data_ptr() == x.data_ptr(), HKV=Hkv, D=D, R=r, BN=block_rows,
+            DC=DC, num_warps=4)
         return out
+    slots = row_slots(slots, hits, pool_slots)
     for i in range(0, N, chunk):
         xs = x[i:i + chunk]
         out[i:i + chunk] = xs.float() + sign * sketch_base_ref(slots[i:i + chunk], sketch, scale, mean, basis)
@@ -59,15 +74,20 @@ def apply_sketch_base(x: torch.Tensor, slots: torch.Tensor, sketch: torch.Tensor
 
 if triton is not None:
     @triton.jit
-    def _apply_sketch_base_kernel(x_ptr, out_ptr, slot_ptr, sk_ptr, sc_ptr, mean_ptr, basis_ptr, N,
-                                  stride_xn, stride_xh, stride_on, stride_oh,
-                                  SIGN: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                                  BN: tl.constexpr, DC: tl.constexpr):
+    def _apply_sketch_base_kernel(x_ptr, out_ptr, slot_ptr, hit_ptr, pool_slot_ptr, sk_ptr, sc_ptr, mean_ptr,
+                                  basis_ptr, N, stride_xn, stride_xh, stride_on, stride_oh,
+                                  SIGN: tl.constexpr, HITS: tl.constexpr, SAME: tl.constexpr, HKV: tl.constexpr,
+                                  D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, DC: tl.constexpr):
         # One program per (BN rows, KV head): the rows' coefficients [BN, R] once, the base in DC-wide dim chunks.
+        # In place (SAME), rows without a slot are neither read nor written (the tier's resident rows).
         pid, h = tl.program_id(0), tl.program_id(1)
         n = pid * BN + tl.arange(0, BN)
         slot = tl.load(slot_ptr + n, mask=n < N, other=-1)
+        if HITS:
+            hit = tl.load(hit_ptr + n, mask=n < N, other=-1)
+            slot = tl.where(slot >= 0, slot, tl.load(pool_slot_ptr + tl.maximum(hit, 0), mask=hit >= 0, other=-1))
         has = slot >= 0
+        io = has if SAME else n < N
         s = tl.maximum(slot, 0).to(tl.int64) * HKV + h
         H2: tl.constexpr = R // 2
         packed = tl.load(sk_ptr + s[:, None] * H2 + tl.arange(0, H2)[None, :], mask=has[:, None], other=0)
@@ -80,9 +100,9 @@ if triton is not None:
         for d0 in tl.static_range(0, D, DC):
             d = d0 + tl.arange(0, DC)
             bt = tl.load(basis_ptr + h * D * R + d[None, :] * R + r[:, None])            # basis[h, d, r]^T: [R, DC]
-            base = tl.dot(coeff, bt, input_precision="tf32x3") + tl.load(mean_ptr + h * D + d)[None, :]
+            base = tl.dot(coeff, bt) + tl.load(mean_ptr + h * D + d)[None, :]
             xv = tl.load(x_ptr + n[:, None].to(tl.int64) * stride_xn + h * stride_xh + d[None, :],
-                         mask=(n < N)[:, None], other=0.0).to(tl.float32)
+                         mask=io[:, None], other=0.0).to(tl.float32)
             y = tl.where(has[:, None], xv + SIGN * base, xv)
             tl.store(out_ptr + n[:, None].to(tl.int64) * stride_on + h * stride_oh + d[None, :],
-                     y.to(out_ptr.dtype.element_ty), mask=(n < N)[:, None])
+                     y.to(out_ptr.dtype.element_ty), mask=io[:, None])
