@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from sketchkv.bench.agents import argv_without, engine_knobs, goals, parse_agents, parse_tokens, point_command
+from sketchkv.bench.agents import (argv_without, engine_knobs, goals, host_rows, label, parse_agents, parse_tokens,
+                                   point_command)
 from sketchkv.cli import build_parser
 from sketchkv.cli import main as cli_main
 from sketchkv.config import default_model
@@ -155,6 +156,9 @@ def test_random_fill_then_merge(report, tmp_path):
     # sparse points spell out their prefill selection (the default's, resolved): a command means the same after a
     # default changes
     assert all("--sparse-prefill-selection chunk" in y["command"] for y in m["rows"] if y["config"] == "sparse")
+    # and their residual keys (int4 rows: on unless turned off), in the command and the label
+    assert all("--sparse-host-residual-keys" in y["command"] and y["label"].endswith("(int4 residual-key rows)")
+               for y in m["rows"] if y["config"] == "sparse")
     # the same point with another engine knob: a row of its own
     bench(["--agents", "1", "--contexts", "2K", "--configs", "sparse", "--fill", "random", "--tail", "256",
            "--sparse-prefill-selection", "dense", "--out-dir", str(tmp_path), "--name", "chunk", *SMALL])
@@ -189,6 +193,14 @@ def test_point_flags():
         "sketchkv bench agents --fill random --sparse-prefill-selection chunk --configs sparse --agents 8 --contexts 32768")
     given = argv + ["--sparse-prefill-selection=dense"]
     assert point_command(given, "sparse", 8, 32768, "dense").count("--sparse-prefill-selection") == 1
+    # residual keys (auto: on for int4 rows) likewise: spelled out unless given either way
+    assert point_command(argv, "sparse", 8, 32768, "chunk", True).endswith(
+        "--sparse-prefill-selection chunk --sparse-host-residual-keys --configs sparse --agents 8 --contexts 32768")
+    assert "--no-sparse-host-residual-keys" in point_command(argv, "sparse", 8, 32768, "chunk", False)
+    off = argv + ["--no-sparse-host-residual-keys"]
+    assert point_command(off, "sparse", 8, 32768, "chunk", False).count("residual-keys") == 1
+    assert label("sparse", host_rows("int4", True)) == "sketchkv sparse + host tier (int4 residual-key rows)"
+    assert label("sparse", host_rows("k8v4", False)) == "sketchkv sparse + host tier (k8v4 rows)"
     # engine knobs keep two runs of a point apart in a merged report; on/off switches take no value
     assert engine_knobs("sketchkv bench agents --no-sparse-admit-stream --configs sparse --sparse-top-k 256") == (
         ("--no-sparse-admit-stream", ""), ("--sparse-top-k", "256"))

@@ -49,6 +49,7 @@ import sys
 import time
 
 from sketchkv.bench import data_parallel as DP
+from sketchkv.config import resolved_host_residual_keys
 from sketchkv.eval import common as C
 from sketchkv.errors import SketchKVError
 
@@ -65,6 +66,12 @@ LONG = 240_000  # "250K-class" contexts for the goal checks
 def label(config: str, host_format: str) -> str:
     """A row's name in the reports: the sparse rows name their host format (runs with other formats merge)."""
     return LABELS[config] + (f" ({host_format} rows)" if config == "sparse" else "")
+
+
+def host_rows(fmt: str, residual_keys: bool) -> str:
+    """The host format as the reports name it: int4 rows with residual keys (the default under the key sketch,
+    since session 21) are "int4 residual-key", plain int4 stays "int4" (as in older reports)."""
+    return fmt + (" residual-key" if residual_keys else "")
 
 
 def parse_tokens(s: str) -> int:
@@ -164,13 +171,17 @@ def argv_without(argv: list[str], flags=POINT_FLAGS) -> list[str]:
     return out
 
 
-def point_command(argv: list[str], config: str, agents: int, context: int, prefill_selection: str | None = None) -> str:
-    """The command that measures one point. prefill_selection (the sparse engine's, resolved from `auto`) is
-    spelled out when argv leaves it to the default, so the command means the same after a default changes and a
-    merged report keeps such rows apart (engine_knobs)."""
+def point_command(argv: list[str], config: str, agents: int, context: int, prefill_selection: str | None = None,
+                  residual_keys: bool | None = None) -> str:
+    """The command that measures one point. The sparse engine's knobs resolved from `auto` (prefill_selection,
+    residual_keys) are spelled out when argv leaves them to the default, so the command means the same after a
+    default changes and a merged report keeps such rows apart (engine_knobs)."""
     rest = argv_without(argv)
-    if prefill_selection and not any(a.split("=")[0] == "--sparse-prefill-selection" for a in rest):
+    given = {a.split("=")[0] for a in rest}
+    if prefill_selection and "--sparse-prefill-selection" not in given:
         rest += ["--sparse-prefill-selection", prefill_selection]
+    if residual_keys is not None and not given & {"--sparse-host-residual-keys", "--no-sparse-host-residual-keys"}:
+        rest += ["--sparse-host-residual-keys" if residual_keys else "--no-sparse-host-residual-keys"]
     return "sketchkv bench agents " + " ".join(shlex.quote(a) for a in rest + [
         "--configs", config, "--agents", str(agents), "--contexts", str(context)])
 
@@ -600,11 +611,15 @@ def run(args, name: str, write: bool = True) -> dict:
     if "agents" in sys.argv:
         info["command"] = "sketchkv bench agents " + " ".join(shlex.quote(a) for a in argv)
     stream, source = token_stream(args.model, args.text, max(contexts) + args.followup_tokens)
+    residual_keys = resolved_host_residual_keys(dataclasses.replace(sp, sparse=True, host_tier=True),
+                                                sketch_selector=not mcfg.indexer_n_heads)
+    rows_name = host_rows(sp.host_format, residual_keys)
     results = {"info": info, "model": args.model, "shape": shape.to_dict(), "bandwidth": bw, "budget": budget,
                "text": source, "sparse": {"top_k": sp.top_k, "sink_tokens": sp.sink_tokens,
-                                          "recent_tokens": sp.recent_tokens, "host_format": sp.host_format,
-                                          "hot_fraction": sp.hot_fraction, "prefill_selection": prefill_selection},
-               "capacity": [{"config": c, "context": L, "host_format": sp.host_format, **v}
+                                          "recent_tokens": sp.recent_tokens, "host_format": rows_name,
+                                          "hot_fraction": sp.hot_fraction, "prefill_selection": prefill_selection,
+                                          "residual_keys": residual_keys},
+               "capacity": [{"config": c, "context": L, "host_format": rows_name, **v}
                             for (c, L), v in caps.items()],
                "rows": []}
     out_paths = None
@@ -616,10 +631,11 @@ def run(args, name: str, write: bool = True) -> dict:
                 if a == "max" and cfgname != "sparse":
                     n = caps[(cfgname, L)]["max_agents"]
                 points.append((L, a, n))
-        row0 = lambda L, a, n: {"config": cfgname, "label": label(cfgname, sp.host_format),  # noqa: E731
+        row0 = lambda L, a, n: {"config": cfgname, "label": label(cfgname, rows_name),  # noqa: E731
                                 "agents": n, "agents_arg": a, "context": L,
                                 "command": point_command(argv, cfgname, n if a != "max" else "max", L,
-                                                         prefill_selection if cfgname == "sparse" else None)}
+                                                         *((prefill_selection, residual_keys) if cfgname == "sparse"
+                                                           else ()))}
         runnable, llm, hf = [], None, None
         for L, a, n in points:
             cap = caps[(cfgname, L)]

@@ -96,13 +96,14 @@ def combine(replicas: list[dict], n: int, argv: list[str]) -> list[dict]:
     from sketchkv.bench.agents import argv_without, point_command
     rest = argv_without(argv, ("--data-parallel",))
     rows = []
+    sp = replicas[0]["sparse"]
     for reps in zip(*(r["rows"] for r in replicas)):
         r0 = reps[0]
         row = {"config": r0["config"], "label": r0["label"], "data_parallel": n,
                "agents": n * r0["agents"], "agents_per_replica": r0["agents"], "context": r0["context"],
                "command": point_command(rest, r0["config"], r0["agents"], r0["context"],
-                                        replicas[0]["sparse"]["prefill_selection"] if r0["config"] == "sparse"
-                                        else None) + f" --data-parallel {n}"}
+                                        *((sp["prefill_selection"], sp.get("residual_keys")) if r0["config"] == "sparse"
+                                          else ())) + f" --data-parallel {n}"}
         bad = [f"replica {i}: {x['status']}: {x.get('reason')}" for i, x in enumerate(reps) if x["status"] != "ok"]
         if bad:
             rows.append({**row, "status": "error" if any(x["status"] == "error" for x in reps) else "skipped",
