@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from sketchkv.bench.agents import (argv_without, engine_knobs, goals, host_rows, label, parse_agents, parse_tokens,
-                                   point_command)
+                                   point_command, row_host_rows)
 from sketchkv.cli import build_parser
 from sketchkv.cli import main as cli_main
 from sketchkv.config import default_model
@@ -159,6 +159,10 @@ def test_random_fill_then_merge(report, tmp_path):
     # and their residual keys (int4 rows: on unless turned off), in the command and the label
     assert all("--sparse-host-residual-keys" in y["command"] and y["label"].endswith("(int4 residual-key rows)")
                for y in m["rows"] if y["config"] == "sparse")
+    assert "host rows int4 residual-key" in (tmp_path / "merged.md").read_text()
+    old = {"sparse": {"host_format": "int4"}}   # a file from before session 21: residual keys only where the command says
+    assert row_host_rows(old, {"command": "sketchkv bench agents --sparse-host-residual-keys"}) == "int4 residual-key"
+    assert row_host_rows(old, {"command": "sketchkv bench agents --configs sparse"}) == "int4"
     # the same point with another engine knob: a row of its own
     bench(["--agents", "1", "--contexts", "2K", "--configs", "sparse", "--fill", "random", "--tail", "256",
            "--sparse-prefill-selection", "dense", "--out-dir", str(tmp_path), "--name", "chunk", *SMALL])

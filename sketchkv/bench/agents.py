@@ -74,6 +74,14 @@ def host_rows(fmt: str, residual_keys: bool) -> str:
     return fmt + (" residual-key" if residual_keys else "")
 
 
+def row_host_rows(part: dict, row: dict) -> str:
+    """host_rows of a saved sparse row: its file's format and residual keys (files before session 21 lack the
+    field: their rows had them only when the command says so)."""
+    sp = part["sparse"]
+    residual = sp.get("residual_keys", ("--sparse-host-residual-keys", "") in engine_knobs(row.get("command", "")))
+    return host_rows(sp["host_format"], residual)
+
+
 def parse_tokens(s: str) -> int:
     """'250K' -> 256000 (K = 1024), '4096' -> 4096."""
     t = s.strip().upper()
@@ -616,7 +624,7 @@ def run(args, name: str, write: bool = True) -> dict:
     rows_name = host_rows(sp.host_format, residual_keys)
     results = {"info": info, "model": args.model, "shape": shape.to_dict(), "bandwidth": bw, "budget": budget,
                "text": source, "sparse": {"top_k": sp.top_k, "sink_tokens": sp.sink_tokens,
-                                          "recent_tokens": sp.recent_tokens, "host_format": rows_name,
+                                          "recent_tokens": sp.recent_tokens, "host_format": sp.host_format,
                                           "hot_fraction": sp.hot_fraction, "prefill_selection": prefill_selection,
                                           "residual_keys": residual_keys},
                "capacity": [{"config": c, "context": L, "host_format": rows_name, **v}
@@ -784,7 +792,7 @@ def merge(paths: list[str], out_dir: str, name: str) -> dict:
         for row in part["rows"]:
             key = (row["config"], row["agents"], row["context"], engine_knobs(row.get("command", "")))
             rows.pop(key, None)
-            rows[key] = {**row, "label": label(row["config"], part["sparse"]["host_format"])}
+            rows[key] = {**row, "label": label(row["config"], row_host_rows(part, row))}
     merged["rows"] = list(rows.values())
     dp = {}  # data-parallel points likewise, keyed by their replica count too
     for part in parts:
@@ -850,7 +858,7 @@ def markdown(r: dict, png: str) -> str:
          f"weights read per step {shp['weights'] / 1e9:.3g} GB; GDN state {shp['gdn_state'] / 1e6:.3g} MB per agent; "
          f"sketch rank {shp['rank']}",
          f"- sparse: top-k {r['sparse']['top_k']} + {r['sparse']['sink_tokens']} sinks + "
-         f"{r['sparse']['recent_tokens']} recent, host rows {r['sparse']['host_format']}, hot buffer "
+         f"{r['sparse']['recent_tokens']} recent, host rows {host_rows(r['sparse']['host_format'], r['sparse'].get('residual_keys', False))}, hot buffer "
          f"{r['sparse']['hot_fraction']:.3g} of each agent's tokens; prompts: {r['text']}", ""]
     L += ["## Decode, all agents at once", "",
           "Floor = bytes a step must move (weights + GDN state read/write + K/V rows read + sketch) / HBM bandwidth "
