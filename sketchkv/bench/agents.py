@@ -49,7 +49,7 @@ import sys
 import time
 
 from sketchkv.bench import data_parallel as DP
-from sketchkv.config import resolved_host_residual_keys
+from sketchkv.config import flat_fields, resolved_host_residual_keys
 from sketchkv.eval import common as C
 from sketchkv.errors import SketchKVError
 
@@ -104,7 +104,7 @@ def parse_agents(s: str):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from sketchkv.config import add_dataclass_args, default_model, flat_fields
+    from sketchkv.config import add_dataclass_args, default_model
     p.add_argument("--model", default=default_model(),
                    help="model directory, or random:PRESET (random:qwen3.5-27b: the 27B shape, random weights)")
     p.add_argument("--agents", type=parse_agents, nargs="+", default=[1, 2],
@@ -259,6 +259,7 @@ def fill_random(eng, seq, filled: int, gen) -> None:
     import torch
     from sketchkv.errors import CapacityError
     from sketchkv.layers.sparse_attention import SparseAttention
+    from sketchkv.ops.sketch import sketch_write
     r, sch = eng.runner, eng.scheduler
     if not sch.free_slots:
         raise CapacityError("no free state slot for a filled agent (raise max_num_seqs)")
@@ -281,9 +282,7 @@ def fill_random(eng, seq, filled: int, gen) -> None:
             k = torch.randn(len(p), c.num_kv_heads, c.head_dim, device=dev, generator=gen).to(r.dtype)
             v = torch.randn(len(p), c.num_kv_heads, c.head_dim, device=dev, generator=gen).to(r.dtype)
             if isinstance(m, SparseAttention):   # first: residual host keys are taken against the sketch
-                packed, scale = m.sketch_keys(k)
-                m.sketch.view(-1, c.num_kv_heads, m.rank // 2).index_copy_(0, slots, packed)
-                m.sketch_scale.view(-1, c.num_kv_heads).index_copy_(0, slots, scale)
+                sketch_write(k, m.mean, m.basis, m.sketch, m.sketch_scale, slots)
             if m in r.tier_layers:
                 r.tier.store.write(m.layer, slots, r.tier.host_keys(m.layer, slots, k), v)
             else:
@@ -769,8 +768,10 @@ def goals(rows: list[dict], dp_rows: list[dict] = ()) -> list[dict]:
 def engine_knobs(command: str) -> tuple:
     """The engine flags (sparse and speculative knobs) of a point's command: two rows of the same point
     measured with different knobs are different rows of a merged report."""
-    flags = {"--" + k.replace("_", "-") for k in SPARSE_KNOBS + SPEC_KNOBS}
-    switches = {f"--{no}sparse-{k}" for no in ("", "no-") for k in ("admit-stream", "host-residual-keys")}  # no value
+    knobs = SPARSE_KNOBS + SPEC_KNOBS
+    flags = {"--" + k.replace("_", "-") for k in knobs}
+    switches = {f"--{no}{n.replace('_', '-')}" for n, _, f in flat_fields() if n in knobs and "bool" in str(f.type)
+                for no in ("", "no-")}   # boolean knobs take no value (--x / --no-x)
     argv = shlex.split(command)
     return tuple((a, "" if "=" in a or a in switches else b) for a, b in zip(argv, argv[1:] + [""])
                  if a.split("=")[0] in flags | switches)

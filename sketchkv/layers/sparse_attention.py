@@ -20,7 +20,7 @@ from sketchkv.config import SparseConfig
 from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
 from sketchkv.ops.selection import SENTINEL, compose_selection
-from sketchkv.ops.sketch import exact_key_scores, project_queries, sketch_keys_ref, sketch_score, sketch_write
+from sketchkv.ops.sketch import exact_key_scores, project_queries, sketch_score, sketch_write
 from sketchkv.ops.sketch_base import apply_sketch_base
 from sketchkv.ops.prefill_attention import prefix_causal_attention
 from sketchkv.ops.sparse_attention import sparse_attention
@@ -44,9 +44,6 @@ class SparseAttention(Attention):
         self.sketch_scale = torch.tensor([])  # [num_blocks, block_size, Hkv] fp16
         self.last_indices = None              # picks of the last decode step (for tests and stats)
         self.tensor_parallel = False          # our heads are one rank's share (parallel/tensor_parallel.py)
-
-    def sketch_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sketch_keys_ref(k, self.mean, self.basis)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.write_sketches(k)
