@@ -8,7 +8,8 @@ Shape: one Qwen3.5-27B full-attention layer at batch 8 x 250K tokens (4 KV heads
 block size 64, 64 sinks + 1,024 recent excluded), the engine's calls: `sum` scores the group-summed
 query ([B, Hkv, r]: one dot per KV head), `softmax` every query head ([B, Hkv, 6, r]): kernel `dot` scores the
 sketch once and stores fp16 per-head scores for its second pass, `dot2` (two_pass=True) and `fma` score it
-twice. Floor: the sketch read once + one fp32 score per token written, at the copy bandwidth (2 x bytes /
+twice; `dp4a` scores sum in integers (int8 query codes, checked against the reference on the dequantised
+codes). Floor: the sketch read once + one fp32 score per token written, at the copy bandwidth (2 x bytes /
 time of a 1 GiB device copy), for every kernel (what a one-pass kernel would move). Goal (issue 4): >= 70%.
 Then the top-k threshold over the step's [B, max_len] scores: radix select (kth_largest_triton) against
 torch.topk (kth_largest_torch, which sorts such rows), and the whole topk_positions.
@@ -25,7 +26,8 @@ import triton
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse_ops import bench, copy_bw  # noqa: E402
-from sketchkv.ops.sketch import quantize_int4, sketch_score_dot, sketch_score_ref, sketch_score_triton  # noqa: E402
+from sketchkv.ops.sketch import (quantize_int4, quantize_query_int8, sketch_score_dot, sketch_score_dp4a,  # noqa: E402
+                                  sketch_score_ref, sketch_score_triton)
 from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk_positions,  # noqa: E402
                                topk_positions_triton)
 
@@ -66,8 +68,12 @@ def main():
     p.add_argument("--quick", action="store_true", help="the best tiles of the full sweep (H200 runs 17, 28, 42) only")
     p.add_argument("--out", default="benchmarks/results/sketch-score.json")
     p.add_argument("--profile", action="store_true",
-                   help="only run the engine's softmax scoring call three times, for a profiler: ncu --clock-control none "
-                        "-k regex:_sketch_score_dot_kernel --launch-skip 2 --launch-count 1 python3 %(prog)s --profile")
+                   help="only run the engine's scoring calls three times each (softmax: the dot kernel; sum: the fma and "
+                        "the dp4a kernels), for a profiler: ncu --clock-control none -k regex:_sketch_score_dot_kernel --launch-skip 2 "
+                        "--launch-count 1 python3 %(prog)s --profile (-k regex:^_sketch_score_kernel for the fma one, "
+                        "-k regex:_dp4a for the integer one)")
+    p.add_argument("--maxnreg", type=int, nargs="*", default=[],
+                   help="also time the softmax dot kernel (best tile) with these register caps per thread")
     a = p.parse_args()
     B, L, Hq, Hkv, r, bs, sinks, recent = a.batch, a.context, 24, 4, a.rank, 64, 64, 1024
     G = Hq // Hkv
@@ -85,6 +91,10 @@ def main():
     if a.profile:
         for _ in range(3):
             sketch_score_dot(q_heads, sk, sc, tables, lens, sinks, recent, max_len, True, "softmax", 256 ** -0.5)
+        for _ in range(3):
+            sketch_score_triton(q_sum, sk, sc, tables, lens, sinks, recent, max_len, True, "sum")
+        for _ in range(3):
+            sketch_score_dp4a(q_sum, sk, sc, tables, lens, sinks, recent, max_len, True, "sum")
         torch.cuda.synchronize()
         return
     tokens = int(lens.sum())
@@ -94,6 +104,9 @@ def main():
     refs = {}
     for name, (q, combine) in cases.items():   # reference on two sequences (one full, one ragged)
         refs[name] = sketch_score_ref(q[:2], sk, sc, tables[:2], lens[:2], sinks, recent, max_len, True, combine, sm)
+    codes, qscale = quantize_query_int8(q_sum[:2])
+    ref_dp4a = sketch_score_ref(codes.float() * qscale[..., None], sk, sc, tables[:2], lens[:2], sinks, recent,
+                                max_len, True, "sum", sm)
 
     def dot2(*args, **kw):
         return sketch_score_dot(*args, **kw, two_pass=True)
@@ -102,17 +115,20 @@ def main():
         return sketch_score_dot(*args, **kw, unpack="ops")
 
     # dot: the int4 nibbles unpacked by PTX (the default on CUDA); dot_ops: by Triton ops (session 12's kernel)
-    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot_ops": dot_ops, "dot2": dot2}
+    # dp4a: sum / max in integers (int8 query codes); checked against the reference on the dequantised codes
+    kernels = {"fma": sketch_score_triton, "dot": sketch_score_dot, "dot_ops": dot_ops, "dot2": dot2,
+               "dp4a": sketch_score_dp4a}
     dot_tiles = [(1, 4), (2, 4), (2, 8)] if a.quick else [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (1, 8)]
     tiles = {"fma": [(1, 2)] if a.quick else [(1, 2), (1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)],
-             "dot": dot_tiles, "dot_ops": dot_tiles, "dot2": [(2, 4)]}
+             "dot": dot_tiles, "dot_ops": dot_tiles, "dot2": [(2, 4)],
+             "dp4a": [(1, 2), (2, 4), (4, 4)] if a.quick else [(1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8)]}
     rows = []
     for name, (q, combine) in cases.items():
-        ref = refs[name]
-        fin = torch.isfinite(ref)
         for kname, fn in kernels.items():
-            if kname == "dot2" and combine != "softmax":
+            if (kname == "dot2" and combine != "softmax") or (kname == "dp4a" and combine == "softmax"):
                 continue
+            ref = ref_dp4a if kname == "dp4a" else refs[name]
+            fin = torch.isfinite(ref)
             for bpp, nw in tiles[kname]:
                 def call():
                     return fn(q, sk, sc, tables, lens, sinks, recent, max_len, True, combine, sm, bpp=bpp, num_warps=nw)
@@ -144,6 +160,30 @@ def main():
             best[kname]["kernels_us"] = kernel_times(call)
             print("   per kernel (us per call): " + ", ".join(f"{n} {u:.1f}" for n, u in best[kname]["kernels_us"].items()))
 
+    # register caps: occupancy against spills, for the softmax dot kernel's best tile
+    caps = []
+    ok = [x for x in rows if x["case"] == "softmax" and x["kernel"] == "dot" and "us" in x]
+    if a.maxnreg and ok:
+        b0 = min(ok, key=lambda x: x["us"])
+        ref = refs["softmax"]
+        fin = torch.isfinite(ref)
+        for cap in a.maxnreg:
+            def call(cap=cap):
+                return sketch_score_dot(q_heads, sk, sc, tables, lens, sinks, recent, max_len, True, "softmax", sm,
+                                        bpp=b0["bpp"], num_warps=b0["warps"], maxnreg=cap)
+            try:
+                o = call()[:2]
+            except Exception as e:  # an option this Triton does not take, or a cap ptxas refuses
+                caps.append(dict(maxnreg=cap, error=str(e).split("\n")[0][:200]))
+                print(f"softmax dot maxnreg {cap}: {caps[-1]['error']}")
+                continue
+            err = ((o[fin] - ref[fin]).abs() / (1 + ref[fin].abs())).max().item()
+            caps.append(dict(maxnreg=cap, bpp=b0["bpp"], warps=b0["warps"], us=bench(call) * 1e6, max_rel_err=err,
+                             graph_us=bench(graphed(call)) * 1e6, kernels_us=kernel_times(call)))
+            print(f"softmax dot bpp {b0['bpp']} warps {b0['warps']} maxnreg {cap}: {caps[-1]['us']:.1f} us "
+                  f"(graph {caps[-1]['graph_us']:.1f}; default {b0['us']:.1f}), rel err {err:.1e}; "
+                  + ", ".join(f"{n} {u:.1f}" for n, u in caps[-1]["kernels_us"].items()))
+
     # top-k threshold over one layer's scores (the engine's shared selection: one row per sequence)
     scores = sketch_score_dot(q_heads, sk, sc, tables, lens, sinks, recent, max_len, True, "softmax", sm)[:, 0]
     k = 2048
@@ -161,7 +201,7 @@ def main():
           f"one read of the scores {topk['scores_read_floor_us']:.1f}")
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=time.strftime("%Y-%m-%d %H:%M"), command=" ".join(sys.argv), copy_GBps=bw / 1e9,
-               shape=dict(batch=B, context=L, tokens=tokens, Hq=Hq, Hkv=Hkv, rank=r, block=bs), rows=rows, softmax_graph=best, topk=topk)
+               shape=dict(batch=B, context=L, tokens=tokens, Hq=Hq, Hkv=Hkv, rank=r, block=bs), rows=rows, softmax_graph=best, maxnreg=caps, topk=topk)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"\nHBM copy {bw / 1e9:.0f} GB/s; {B} x {L} tokens (ragged: {tokens} in all), rank {r}")

@@ -52,12 +52,12 @@ def setup(tmp_path_factory):
 ENGINE = ["--device", "cpu", "--block-size", "16", "--quiet"]
 
 
-def test_kld_end_to_end(setup):
+def test_kld_end_to_end(setup, capsys):
     path, data, root = setup
     out = str(root / "out")
     rc = cli_main(["eval", "kld", data, "--model", path, "--lengths", "1024", "2048", "--continuation", "8",
                    "--samples", "2", "--candidate", "dense-again:sparse=false", "--candidate", SMALL,
-                   "--candidate", FULL, "--out-dir", out, *ENGINE])
+                   "--candidate", FULL, "--baseline", "full", "--out-dir", out, *ENGINE])
     assert rc == 0
     for ext in ("json", "md", "png"):
         assert os.path.getsize(os.path.join(out, f"kld.{ext}")) > 0
@@ -76,8 +76,23 @@ def test_kld_end_to_end(setup):
     assert cfg["k32"]["overall"]["kl_mean"] > 1e-5
     assert cfg["floor:batch+chunk"]["overall"]["kl_mean"] < cfg["k32"]["overall"]["kl_mean"] / 100
     assert r["prompt_lens"] == {"1024": 1024, "2048": 2048} and cfg["k32"]["overall"]["n_tokens"] == 4 * 8
+    # against the baseline (full = dense up to rounding), token by token: the paired difference of the KLs to dense
+    # is the difference of their means (same tokens), and k32's KL from full is its KL from dense
+    assert "vs_baseline" not in cfg["full"] and "vs_baseline" not in cfg["floor:batch+chunk"]
+    vb = cfg["k32"]["vs_baseline"]
+    for key, v in [("overall", vb["overall"])] + [(L, vb["by_length"][L]) for L in ("1024", "2048")]:
+        mine, base = (cfg["k32"][key] if key == "overall" else cfg["k32"]["by_length"][key],
+                      cfg["full"][key] if key == "overall" else cfg["full"]["by_length"][key])
+        assert v["n_tokens"] == mine["n_tokens"]
+        assert v["kl_diff_mean"] == pytest.approx(mine["kl_mean"] - base["kl_mean"], rel=1e-9, abs=1e-12)
+        assert v["kl_direct_mean"] == pytest.approx(mine["kl_mean"], rel=1e-2, abs=1e-6)
+        assert v["top1_vs_baseline"] == pytest.approx(mine["top1"])
+        assert v["kl_diff_ci95"] is not None and v["kl_diff_over_floor"] is None or v["kl_diff_over_floor"] > 0
     md = open(os.path.join(out, "kld.md")).read()
-    assert "dense noise floor" in md and "k32" in md and "kld.png" in md
+    assert "dense noise floor" in md and "k32" in md and "kld.png" in md and "Against the baseline `full`" in md
+    rc = cli_main(["eval", "kld", data, "--model", path, "--candidate", SMALL, "--candidate", FULL,
+                   "--baseline", "nope", "--out-dir", out, *ENGINE])
+    assert rc != 0 and "--baseline 'nope' must name one of at least two candidates" in capsys.readouterr().err
 
 
 def test_recall_end_to_end(setup):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from sketchkv.ops.sketch import quantize_int4, sketch_score, sketch_score_dot, sketch_score_ref
+from sketchkv.ops.sketch import (quantize_int4, quantize_query_int8, sketch_score, sketch_score_dot,
+                                 sketch_score_dp4a, sketch_score_ref)
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import topk_positions, topk_ref
 from test_sparse import dot_error_bound
@@ -26,16 +27,22 @@ def _tables(seq_lens, gen):
     return tables.cuda(), sum(need) + 1
 
 
-@pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "softmax"), (True, "max")])
-def test_gpu_sketch_score_250k(shared, combine):
-    gen = torch.Generator().manual_seed(11)
+def _sketch_250k(seed: int):
+    """Fresh random sketches of B ~250K-token sequences over a shuffled block pool and every query head,
+    projected: (q [B, Hkv, G, r], packed, scale, (tables, seq_lens, sinks 64, recent 1024, max_len))."""
+    gen = torch.Generator().manual_seed(seed)
     lens = [250_000 - 977 * b for b in range(B)]
     tables, nb = _tables(lens, gen)
     packed, scale = quantize_int4(torch.randn(nb, BS, HKV, R, device="cuda"))
-    qp = torch.randn(B, HKV, HQ // HKV, R, device="cuda")  # every query head, projected
+    q = torch.randn(B, HKV, HQ // HKV, R, device="cuda")
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    max_len = tables.shape[1] * BS
-    args = (qp, packed, scale, tables, seq_lens, 64, 1024, max_len, shared, combine, D ** -0.5)
+    return q, packed, scale, (tables, seq_lens, 64, 1024, tables.shape[1] * BS)
+
+
+@pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "softmax"), (True, "max")])
+def test_gpu_sketch_score_250k(shared, combine):
+    qp, packed, scale, geo = _sketch_250k(11)
+    args = (qp, packed, scale, *geo, shared, combine, D ** -0.5)
     out, ref = sketch_score(*args), sketch_score_ref(*args)
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
     fin = torch.isfinite(ref)
@@ -47,14 +54,7 @@ def test_gpu_sketch_score_250k(shared, combine):
 def test_gpu_sketch_score_dot_250k(shared, combine):
     """Tensor-core kernel: fp32-exact up to accumulation order for fp16-representable q; with fresh q
     within the fp16 rounding bound of q (see test_interp_sketch_score_dot_kernel_matches_reference)."""
-    gen = torch.Generator().manual_seed(11)
-    lens = [250_000 - 977 * b for b in range(B)]
-    tables, nb = _tables(lens, gen)
-    packed, scale = quantize_int4(torch.randn(nb, BS, HKV, R, device="cuda"))
-    q = torch.randn(B, HKV, HQ // HKV, R, device="cuda")
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    max_len = tables.shape[1] * BS
-    geo = (tables, seq_lens, 64, 1024, max_len)
+    q, packed, scale, geo = _sketch_250k(11)
     qs = [q.half().float(), q] + ([q.sum(2)] if combine == "sum" else [])   # + the engine's group-summed form
     for i, qq in enumerate(qs):
         out = sketch_score_dot(qq, packed, scale, *geo, shared, combine, D ** -0.5)
@@ -70,6 +70,23 @@ def test_gpu_sketch_score_dot_250k(shared, combine):
     # the PTX int4 unpacking (the default on CUDA) and the Triton-op one give the same fp16 operands: same scores
     assert torch.equal(sketch_score_dot(q, packed, scale, *geo, shared, combine, D ** -0.5, unpack="asm"),
                        sketch_score_dot(q, packed, scale, *geo, shared, combine, D ** -0.5, unpack="ops"))
+
+
+@pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "max")])
+def test_gpu_sketch_score_dp4a_250k(shared, combine):
+    """Integer kernel: the PTX dp4a path and the Triton-op path give the same integers (bitwise the same
+    scores); both the reference's for the dequantised query codes up to fp32 rounding."""
+    q, packed, scale, geo = _sketch_250k(12)
+    for qq in ([q.sum(2), q] if combine == "sum" else [q]):     # the engine's group-summed form, and every head
+        out = sketch_score_dp4a(qq, packed, scale, *geo, shared, combine)
+        assert torch.equal(out, sketch_score_dp4a(qq, packed, scale, *geo, shared, combine, unpack="ops"))
+        codes, qs = quantize_query_int8(qq)
+        ref = sketch_score_ref(codes.float() * qs[..., None], packed, scale, *geo, shared, combine)
+        assert torch.equal(torch.isinf(out), torch.isinf(ref))
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-4)
+    assert torch.equal(sketch_score(q, packed, scale, *geo, shared, combine, kernel="dp4a"),
+                       sketch_score_dp4a(q, packed, scale, *geo, shared, combine))
 
 
 def test_gpu_topk_positions_250k_same_set_as_reference():

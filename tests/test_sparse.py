@@ -11,8 +11,8 @@ from sketchkv.kv.basis import KeyBasis
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import (dequantize_int4, project_queries, project_queries_ref, quantize_int4,
-                                 sketch_keys_ref, sketch_score, sketch_score_dot, sketch_score_ref,
-                                 softmax_combine)
+                                 quantize_query_int8, sketch_keys_ref, sketch_score, sketch_score_dot,
+                                 sketch_score_dp4a, sketch_score_ref, softmax_combine)
 from sketchkv.ops.selection import compose_selection, compose_selection_ref
 from sketchkv.ops.sketch_base import apply_sketch_base, row_slots, sketch_base_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
@@ -154,6 +154,33 @@ def test_interp_sketch_score_kernel_matches_reference(shared, combine):
         torch.testing.assert_close(out[fin], ref[fin], rtol=1e-4, atol=1e-4)
 
 
+@needs_interp
+def test_interp_sketch_score_dp4a_kernel_matches_reference():
+    """Integer scoring (int8 query codes): the reference's scores for the dequantised codes up to fp32 rounding,
+    and within the codes' rounding bound of the fp32 query's: |q - q^| <= scale / 2 per element, so a score
+    moves by <= sum_r |q_r - q^_r| |k_r| (summed over the combined heads: bounds sum and max)."""
+    torch.manual_seed(3)
+    for r in (16, 64):
+        packed, scale, tables, lens = _paged_sketch([1, 37, 200, 64], Hkv=4, r=r, bs=16, seed=r)
+        geo = (tables, lens, 4, 16, 208)
+        for qp in (torch.randn(4, 4, r) * 3, torch.randn(4, 4, 3, r)):   # group-summed, and per query head
+            codes, qs = quantize_query_int8(qp)
+            assert codes.abs().max() == 127 and (qp - codes * qs[..., None]).abs().le(qs[..., None] / 2 + 1e-6).all()
+            q_hat = codes.float() * qs[..., None]
+            for shared, combine in ((True, "sum"), (False, "sum"), (True, "max"), (False, "max")):
+                out = sketch_score_dp4a(qp, packed, scale, *geo, shared, combine, bpp=1, num_warps=2)
+                ref = sketch_score_ref(q_hat, packed, scale, *geo, shared, combine)
+                assert torch.equal(torch.isinf(out), torch.isinf(ref))
+                fin = torch.isfinite(ref)
+                torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+                raw = sketch_score_ref(qp, packed, scale, *geo, shared, combine)
+                bound = sketch_score_ref(_as_heads(qp - q_hat).abs(), _abs_sketch(packed), scale, *geo, shared, "sum")
+                assert ((out - raw)[fin].abs() <= bound[fin] + 1e-4 * (1 + raw[fin].abs())).all()
+    assert torch.equal(out, sketch_score(qp, packed, scale, *geo, shared, combine, kernel="dp4a"))
+    with pytest.raises(ValueError, match="sum or max"):
+        sketch_score_dp4a(qp, packed, scale, *geo, True, "softmax")
+
+
 def _abs_sketch(packed):
     """The sketch of |k| in the same packing: scoring |q| with it gives sum_r |k_r q_r|."""
     lo = ((packed & 15).to(torch.int16) - 8).abs() + 8
@@ -240,6 +267,9 @@ def test_interp_sketch_score_kernel_switch():
     assert torch.equal(sketch_score(qp, *args), sketch_score_dot(qp, *args))   # auto: softmax on tensor cores
     fma = sketch_score(qp, *args, kernel="fma")
     torch.testing.assert_close(sketch_score(qp, *args, kernel="dot"), fma, rtol=1e-3, atol=1e-2)  # fp16 head scores
+    assert torch.equal(sketch_score(qp, *args, kernel="dp4a"), sketch_score_dot(qp, *args))       # dp4a: no softmax
+    sum_args = (packed, scale, tables, lens, 4, 8, 112, True, "sum")
+    assert torch.equal(sketch_score(qp, *sum_args), sketch_score_dp4a(qp, *sum_args))   # auto: sum in integers
     packed, scale, tables, lens = _paged_sketch([37, 100], Hkv=2, r=16, bs=16, seed=2)
     q16 = torch.randn(2, 2, 3, 16)                       # r / 2 < 16: too small for tl.dot -> "fma"
     args = (packed, scale, tables, lens, 4, 8, 112, False, "max")

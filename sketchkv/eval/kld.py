@@ -46,6 +46,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--floor-batch", type=int, default=8, help="samples per batch on the floor's `batch` path")
     p.add_argument("--floor-chunk", type=int, default=None,
                    help="prefill chunk of the floor's `chunk` path (default: a quarter of max_num_batched_tokens)")
+    p.add_argument("--baseline", metavar="NAME",
+                   help="a candidate to set the others against on the same tokens: per token, their KL to dense minus "
+                        "the baseline's (a paired difference, with its 95%% interval) and their KL from the baseline "
+                        "itself, each against the floor (e.g. int4 host rows against bf16 rows)")
     C.add_engine_args(p)
 
 
@@ -54,7 +58,7 @@ def main(args: argparse.Namespace) -> dict:
         return C.replot(args.from_json, markdown, plot)
     return run_kld(args.model, args.data, args.lengths, args.continuation, args.samples, args.candidate,
                    args.floor or ["batch+chunk"], args.floor_batch, args.floor_chunk, args.seed, args.out_dir,
-                   args.name, C.base_options(args), quiet=args.quiet)
+                   args.name, C.base_options(args), quiet=args.quiet, baseline=args.baseline)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,6 +128,25 @@ def compare(ref, cand, targets):
     return kl.numpy(), top1.numpy(), nll.numpy()
 
 
+def summarize_pairs(diffs: list, directs: list, agree: list) -> dict:
+    """Per-sample arrays of a candidate against the baseline on the same tokens -> means and 95% intervals over
+    the samples: KL to dense minus the baseline's (paired), KL(baseline || candidate), top-1 agreement."""
+    import numpy as np
+    n = len(diffs)
+
+    def mean_ci(parts):
+        allv = np.concatenate(parts) if parts else np.zeros(0)
+        per = np.array([x.mean() for x in parts])
+        return (float(allv.mean()) if allv.size else None,
+                float(1.96 * per.std(ddof=1) / np.sqrt(n)) if n > 1 else None)
+
+    d, d_ci = mean_ci(diffs)
+    k, k_ci = mean_ci(directs)
+    t, _ = mean_ci([a.astype(float) for a in agree])
+    return {"n_samples": n, "n_tokens": int(sum(x.size for x in diffs)), "kl_diff_mean": d, "kl_diff_ci95": d_ci,
+            "kl_direct_mean": k, "kl_direct_ci95": k_ci, "top1_vs_baseline": t}
+
+
 def summarize(kls: list, top1s: list, nlls: list) -> dict:
     import numpy as np
     kl_all = np.concatenate(kls) if kls else np.zeros(0)
@@ -160,7 +183,7 @@ FLOOR_PATHS = {
 def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None = None, continuation: int = 256,
             samples: int = 8, candidates: list[str] | None = None, floors: list[str] | None = None,
             floor_batch: int = 8, floor_chunk: int | None = None, seed: int = 0, out_dir: str = "eval-results",
-            name: str = "kld", base: dict | None = None, quiet: bool = False) -> dict:
+            name: str = "kld", base: dict | None = None, quiet: bool = False, baseline: str | None = None) -> dict:
     import numpy as np
     import torch
     from tqdm import tqdm
@@ -176,6 +199,12 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
     if continuation < 256:
         C.log(f"note: continuation {continuation} < 256 tokens (issue 7 asks >= 256 for reported numbers)", quiet)
     cands = C.parse_candidates(candidates, max_pos)
+    if baseline is not None:
+        if baseline not in [c.name for c in cands] or len(cands) < 2:
+            from sketchkv.errors import SketchKVError
+            raise SketchKVError(f"--baseline {baseline!r} must name one of at least two candidates "
+                                f"({', '.join(c.name for c in cands)})")
+        cands.sort(key=lambda c: c.name != baseline)   # the baseline runs first: its rows are kept for the others
     floors = [f for f in (floors or ["batch+chunk"]) if f != "none"]
     ref_chunk = int(base.get("max_num_batched_tokens") or SchedulerConfig().max_num_batched_tokens)
     floor_chunk = int(floor_chunk or max(64, ref_chunk // 4))
@@ -208,7 +237,7 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
                                                 "dense prefill in every configuration)",
                             "reference": f"dense, one sample at a time, prefill chunks of {ref_chunk} tokens, "
                                          "no prefix caching",
-                            "max_model_len": need_len},
+                            "max_model_len": need_len, "baseline": baseline},
                "prompt_lens": {str(L): next(s["prompt_len"] for s in all_samples if s["length"] == L)
                                for L in lengths},
                "configs": {}}
@@ -237,6 +266,8 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
             llm = C.make_llm(model, opts)
             bar = tqdm(total=len(all_samples), desc=f"kld {cname}", unit="sample", disable=quiet)
             per_len = {L: ([], [], []) for L in lengths}
+            pairs = {L: ([], [], []) for L in lengths}   # against the baseline: KL difference, direct KL, top-1
+            is_base, vs_base = cname == baseline, kind == "candidate" and baseline is not None and cname != baseline
             for L in lengths:
                 group = [(k, s) for k, s in enumerate(all_samples) if s["length"] == L]
                 rows = teacher_force_all(llm, [s for _, s in group], batch, bar)
@@ -246,6 +277,14 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
                     per_len[L][0].append(kl)
                     per_len[L][1].append(t1)
                     per_len[L][2].append(nll)
+                    if is_base:
+                        torch.save(r.clone(), os.path.join(tmp, f"base{k}.pt"))
+                        np.save(os.path.join(tmp, f"basekl{k}.npy"), kl)
+                    elif vs_base:
+                        direct, agree, _ = compare(torch.load(os.path.join(tmp, f"base{k}.pt")), r, s["cont"][1:])
+                        pairs[L][0].append(kl - np.load(os.path.join(tmp, f"basekl{k}.npy")))
+                        pairs[L][1].append(direct)
+                        pairs[L][2].append(agree)
             bar.close()
             C.release(llm)
             del llm
@@ -253,6 +292,10 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
                      "description": desc, "seconds": round(time.time() - t0, 1),
                      "overall": summarize(*[sum((per_len[L][i] for L in lengths), []) for i in range(3)]),
                      "by_length": {str(L): summarize(*per_len[L]) for L in lengths}}
+            if vs_base:
+                entry["vs_baseline"] = {"overall": summarize_pairs(*[sum((pairs[L][i] for L in lengths), [])
+                                                                     for i in range(3)]),
+                                        "by_length": {str(L): summarize_pairs(*pairs[L]) for L in lengths}}
             results["configs"][cname] = entry
             o = entry["overall"]
             C.save_partial(results, out_dir, name)
@@ -268,6 +311,11 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
             for L in e["by_length"]:
                 e["by_length"][L]["kl_over_floor"] = _ratio(e["by_length"][L]["kl_mean"],
                                                             fl["by_length"][L]["kl_mean"])
+            vb = e.get("vs_baseline")
+            for stats, f in ([(vb["overall"], fl["overall"])] + [(vb["by_length"][L], fl["by_length"][L])
+                                                                  for L in vb["by_length"]]) if vb else []:
+                stats["kl_diff_over_floor"] = _ratio(stats["kl_diff_mean"], f["kl_mean"])
+                stats["kl_direct_over_floor"] = _ratio(stats["kl_direct_mean"], f["kl_mean"])
     results["seconds"] = round(time.time() - t_start, 1)
     write_outputs(results, out_dir, name)
     return results
@@ -336,6 +384,23 @@ def markdown(r: dict, png: str) -> str:
                          f"({C.fmt(o.get('kl_over_floor'), '.2f')}× floor), at or below it at {len(kl_ok)}/"
                          f"{len(s['lengths'])} lengths; top-1 {C.fmt(o['top1'], '.4f')} vs floor "
                          f"{C.fmt(fo['top1'], '.4f')}, at or above it at {len(t1_ok)}/{len(s['lengths'])} lengths")
+    base = s.get("baseline")
+    if base:
+        lines += ["", f"## Against the baseline `{base}` (same tokens)", "",
+                  f"ΔKL: the candidate's KL to dense minus `{base}`'s, token by token (paired; its 95% interval over the "
+                  f"samples); KL(`{base}` ‖ candidate): how far the candidate's distributions lie from the baseline's "
+                  "themselves. Both read against the floor's KL to dense.", "",
+                  "| context | configuration | ΔKL | ± 95% | ΔKL / floor | KL(base ‖ cand) | ± 95% | / floor | "
+                  "top-1 vs base |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for L in s["lengths"] + ["all"]:
+            for n, e in r["configs"].items():
+                if "vs_baseline" not in e:
+                    continue
+                v = e["vs_baseline"]["overall"] if L == "all" else e["vs_baseline"]["by_length"][str(L)]
+                lines.append(f"| {L if L == 'all' else C.fmt_len(L)} | {n} | {C.fmt(v['kl_diff_mean'], '+.3g')} | "
+                             f"{C.fmt(v['kl_diff_ci95'], '.2g')} | {C.fmt(v.get('kl_diff_over_floor'), '.2f')} | "
+                             f"{C.fmt(v['kl_direct_mean'], '.3g')} | {C.fmt(v['kl_direct_ci95'], '.2g')} | "
+                             f"{C.fmt(v.get('kl_direct_over_floor'), '.2f')} | {C.fmt(v['top1_vs_baseline'], '.4f')} |")
     lines += ["", f"![KL divergence and top-1 agreement against dense]({png})", "",
               "KL(dense ‖ candidate) is computed over the full vocabulary at each scored position; top-1 agreement is "
               "argmax(dense) == argmax(candidate). Spread: per-token std / p95 / p99; per-sample std, 5th percentile "

@@ -19,6 +19,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from sketchkv.ops.quant_kv import _round_half_even
 except ImportError:
     triton = None
 
@@ -154,7 +155,7 @@ if triton is not None:
 
 
 COMBINES = ("sum", "max", "softmax")
-KERNELS = ("auto", "fma", "dot")   # sketch_score(kernel=...)
+KERNELS = ("auto", "fma", "dot", "dp4a")   # sketch_score(kernel=...)
 
 
 def softmax_combine(s: torch.Tensor, num_kv_heads: int, shared: bool, sm_scale: float) -> torch.Tensor:
@@ -394,6 +395,114 @@ def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, r
                          shared, combine, sm_scale, bpp, num_warps, 1)
 
 
+def quantize_query_int8(qp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projected query heads qp [..., r] -> (codes int32 [..., r] in [-127, 127], scale fp32 [...]): per head,
+    scale = max|q| / 127 (at least 2^-126 / 127: an all-zero head scores 0), codes round(q / scale) half to
+    even. What sketch_score_dp4a scores with: q^ = codes * scale, |q - q^| <= scale / 2 per element."""
+    q = qp.float()
+    scale = q.abs().amax(-1).clamp_min(2.0 ** -126) / 127.0
+    return torch.round(q / scale[..., None]).clamp_(-127, 127).to(torch.int32), scale
+
+
+def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
+                      shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 4,
+                      num_warps: int = 4, unpack: str = "auto") -> torch.Tensor:
+    """sum / max scoring in integers: each query head quantised to int8 (quantize_query_int8, in the kernel),
+    every 4 sketch bytes (8 nibbles) against it in two dp4a instructions (4 byte products summed into an int32
+    each), exact; the score is (sum_r q8_r u_r - 8 sum_r q8_r) * scale_t * scale_q with u = v + 8 the stored
+    nibble. The fp32 CUDA-core kernel spends ~8 instructions per sketch byte (it issues at 75% of the SMs' peak
+    with DRAM at 47%: instruction-bound, H200 run 81); this one ~1.5 in its loop: 102 against 119 us per 27B
+    layer at 8 x 250K (60% of the copy bandwidth against 52%, bpp 4 x 4 warps the best of 2-16 x 4-16; H200 runs
+    82-83). What is left (ncu, run 82: DRAM 54%, issue slots 62%, stalls on shared memory / shuffles) is
+    mostly each program quantising and packing its query heads (max, round, word packing, a broadcast through
+    shared memory per KV head), which larger tiles amortise: codes made once per step outside would remove it.
+    Same meaning as sketch_score_ref on the dequantised query codes * scale, up to fp32 rounding. unpack: "asm" (PTX dp4a on int32 words, CUDA only),
+    "ops" (the same integers with Triton ops: the interpreter's path), "auto" = asm on CUDA. softmax is not
+    offered (its per-head scores go the tensor-core way: sketch_score_dot)."""
+    if combine not in ("sum", "max"):
+        raise ValueError(f"sketch_score_dp4a scores sum or max, got {combine!r}")
+    if unpack not in ("auto", "asm", "ops"):
+        raise ValueError(f"unpack must be auto, asm or ops, got {unpack!r}")
+    qp = _as_groups(qp).contiguous()
+    assert qp.shape[-1] % 8 == 0 and (qp.shape[-1] // 2) & (qp.shape[-1] // 2 - 1) == 0, \
+        "rank must be a multiple of 8 with rank / 2 a power of two (4-byte words)"
+    return _launch_score(_sketch_score_dp4a_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len,
+                         shared, combine, sm_scale, bpp, num_warps, 1,
+                         ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda
+                                                 and isinstance(_sketch_score_dp4a_kernel, triton.runtime.JITFunction)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _query_int8(q_row, R: tl.constexpr):
+        """One projected query head [R] fp32 -> (even-dim codes [R/2], odd-dim codes [R/2], sum of codes, scale),
+        as quantize_query_int8 (IEEE division, round half to even)."""
+        q = tl.load(q_row + tl.arange(0, R)).to(tl.float32)
+        qs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(q), 0), 1.1754943508222875e-38), 127.0)
+        c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(q, qs)), -127.0), 127.0).to(tl.int32)
+        ce, co = tl.split(tl.reshape(c, (R // 2, 2)))
+        return ce, co, tl.sum(c, 0), qs
+
+    @triton.jit
+    def _bytes_to_words(c, W: tl.constexpr):
+        # codes [4 W] int32 in [-127, 127] -> [W] int32, byte i of word j = c[4 j + i] (disjoint bits: a sum is an OR)
+        shift = tl.arange(0, 4) * 8
+        return tl.sum((tl.reshape(c, (W, 4)) & 255) << shift[None, :], 1)
+
+    @triton.jit
+    def _sketch_score_dp4a_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr, y_ptr,
+                                  sinks, recent, max_len, num_blocks, qk_scale,
+                                  stride_qb, stride_qh, stride_qg, stride_skb, stride_scb, stride_btb,
+                                  stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
+                                  HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
+                                  G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
+                                  ASM: tl.constexpr = False):
+        # One program per (sequence, BPP consecutive KV blocks) = TOK token rows, one KV head at a time. MODE 0:
+        # sum over heads, 1: max (the launcher's modes; lse_ptr, qk_scale, GP, y_ptr unused). Per query head the
+        # int8 codes are made here (R elements: small beside TOK x R/2 sketch bytes). ASM: a row's R/2 bytes load
+        # as R/8 int32 words; per word the low nibbles (even dims) and the high ones (odd dims) are masked in
+        # place and each dp4a'd against 4 codes of the matching dims. Otherwise: the same integers, byte by byte.
+        b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
+                                                       stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
+        TOK: tl.constexpr = BPP * BS
+        H2: tl.constexpr = R // 2
+        W: tl.constexpr = R // 8
+        acc = tl.full((TOK,), float("-inf") if MODE == 1 else 0.0, tl.float32)   # SHARED: over KV heads
+        for h in tl.static_range(HKV):
+            if ASM:
+                words = tl.load((row_sk + h * H2).to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, W)[None, :],
+                                mask=valid[:, None], other=0)                                       # [TOK, W]
+            else:
+                packed = tl.load(row_sk[:, None] + h * H2 + tl.arange(0, H2)[None, :], mask=valid[:, None],
+                                 other=0).to(tl.int32)                                              # [TOK, H2]
+                lo = packed & 15
+                hi = packed >> 4
+            sc = tl.load(row_sc + h, mask=valid, other=0.0).to(tl.float32)
+            hs = tl.full((TOK,), float("-inf") if MODE == 1 else 0.0, tl.float32)
+            for g in tl.static_range(G):
+                ce, co, csum, qs = _query_int8(qp_ptr + b * stride_qb + h * stride_qh + g * stride_qg, R)
+                if ASM:
+                    we = tl.broadcast_to(_bytes_to_words(ce, W)[None, :], (TOK, W))
+                    wo = tl.broadcast_to(_bytes_to_words(co, W)[None, :], (TOK, W))
+                    d = tl.inline_asm_elementwise(
+                        "{ .reg .b32 a, b; and.b32 a, $1, 0x0F0F0F0F; shr.u32 b, $1, 4; and.b32 b, b, 0x0F0F0F0F; "
+                        "dp4a.u32.s32 $0, a, $2, 0; dp4a.u32.s32 $0, b, $3, $0; }",
+                        "=r,r,r,r", [words, we, wo], dtype=tl.int32, is_pure=True, pack=1)
+                    dots = tl.sum(d, 1)
+                else:
+                    dots = tl.sum(lo * ce[None, :] + hi * co[None, :], 1)
+                s = (dots - 8 * csum).to(tl.float32) * (sc * qs)                                      # [TOK]
+                hs = hs + s if MODE == 0 else tl.maximum(hs, s)
+            if SHARED:
+                acc = acc + hs if MODE == 0 else tl.maximum(acc, hs)
+            else:
+                tl.store(out_ptr + b * stride_ob + h * stride_oh + t, tl.where(valid, hs, float("-inf")),
+                         mask=t < max_len)
+        if SHARED:
+            tl.store(out_ptr + b * stride_ob + t, tl.where(valid, acc, float("-inf")), mask=t < max_len)
+
+
 if triton is not None:
 
     @triton.jit
@@ -580,13 +689,15 @@ COMBINE_TOKENS = 1024   # tokens per _softmax_combine_kernel program (8 per thre
 def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                      shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 2,
                      num_warps: int = 4, two_pass: bool = False,
-                     scratch_bytes: int = SOFTMAX_SCRATCH_BYTES, unpack: str = "auto") -> torch.Tensor:
+                     scratch_bytes: int = SOFTMAX_SCRATCH_BYTES, unpack: str = "auto",
+                     maxnreg: int | None = None) -> torch.Tensor:
     """sketch_score on tensor cores (tl.dot, fp16 operands, fp32 accumulation); same meaning as
     sketch_score_ref up to q's fp16 rounding (see the kernel). Needs r % 32 == 0 (tl.dot: K = r/2 >= 16).
     softmax: the sketch scored once, head scores stored in fp16 for pass 2 (see _launch_score); two_pass=True:
     scored twice, nothing stored (the previous kernel, kept to measure against). bpp (blocks per program) and num_warps: swept on
     an H200 by benchmarks/bench_sketch_score.py. unpack: how int4 becomes fp16 (_int4_to_fp16): "asm" (PTX, CUDA
-    only), "ops" (Triton ops), "auto" = asm on CUDA."""
+    only), "ops" (Triton ops), "auto" = asm on CUDA. maxnreg: a cap on registers per thread (ptxas), to trade
+    spills for occupancy (swept by benchmarks/bench_sketch_score.py --maxnreg; None: the compiler's choice)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     if unpack not in ("auto", "asm", "ops"):
@@ -596,7 +707,7 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
     gp = max(16, triton.next_power_of_2(qp.shape[2]))
     return _launch_score(_sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
                          max_len, shared, combine, sm_scale, bpp, num_warps, gp, store_heads=not two_pass,
-                         scratch_bytes=scratch_bytes,
+                         scratch_bytes=scratch_bytes, **({} if maxnreg is None else {"maxnreg": maxnreg}),
                          # auto: PTX unless Triton chose its interpreter for the kernel at import
                          ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda
                                                  and isinstance(_sketch_score_dot_kernel, triton.runtime.JITFunction)))
@@ -605,19 +716,24 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
 def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                  shared: bool = True, combine: str = "sum", sm_scale: float = 1.0,
                  kernel: str = "auto") -> torch.Tensor:
-    """kernel: "fma" (CUDA-core dots), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
-    take "fma": tl.dot needs r/2 >= 16) or "auto": the faster one measured on an H200 at 8 x 250K, one layer
-    of the 27B shape (runs 17, 29, 33, 48, benchmarks/bench_sketch_score.py): fma for sum / max (119 us, 52% of
-    the copy bandwidth, vs 155), dot for softmax (244 us with stored head scores, 519 scoring twice, 1,101 on
+    """kernel: "fma" (CUDA-core dots, fp32), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
+    take "fma": tl.dot needs r/2 >= 16), "dp4a" (sum / max in integers with int8 query codes,
+    sketch_score_dp4a; softmax takes "dot") or "auto": the faster one measured on an H200 at 8 x 250K, one layer
+    of the 27B shape (runs 17, 29, 33, 48, 82-83, benchmarks/bench_sketch_score.py): dp4a for sum (102 us, 60% of
+    the copy bandwidth, against fma's 119 and dot's 156), fma for max (not measured with dp4a: each of its query
+    heads is quantised per program), dot for softmax (244 us with stored head scores, 519 scoring twice, 1,101 on
     CUDA cores: 24 per-head dots per token; 240 / 508 us replayed in CUDA graphs, run 48)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if kernel == "auto":
-        kernel = "dot" if combine == "softmax" else "fma"
+        kernel = {"softmax": "dot", "sum": "dp4a", "max": "fma"}[combine]
     if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        if kernel == "dot" and qp.shape[-1] % 32 == 0:
+        if kernel == "dp4a" and combine != "softmax" and qp.shape[-1] % 8 == 0:
+            return sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
+                                     combine, sm_scale)
+        if kernel in ("dot", "dp4a") and qp.shape[-1] % 32 == 0:
             return sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                     combine, sm_scale)
         return sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
