@@ -128,23 +128,25 @@ def compare(ref, cand, targets):
     return kl.numpy(), top1.numpy(), nll.numpy()
 
 
-def summarize_pairs(diffs: list, directs: list, agree: list) -> dict:
-    """Per-sample arrays of a candidate against the baseline on the same tokens -> means and 95% intervals over
-    the samples: KL to dense minus the baseline's (paired), KL(baseline || candidate), top-1 agreement."""
+def _ci95(per_sample) -> float | None:
+    """95% interval of a mean over samples: 1.96 x the samples' std / sqrt(n)."""
     import numpy as np
-    n = len(diffs)
+    n = len(per_sample)
+    return float(1.96 * np.std(per_sample, ddof=1) / np.sqrt(n)) if n > 1 else None
 
-    def mean_ci(parts):
-        allv = np.concatenate(parts) if parts else np.zeros(0)
-        per = np.array([x.mean() for x in parts])
-        return (float(allv.mean()) if allv.size else None,
-                float(1.96 * per.std(ddof=1) / np.sqrt(n)) if n > 1 else None)
 
-    d, d_ci = mean_ci(diffs)
-    k, k_ci = mean_ci(directs)
-    t, _ = mean_ci([a.astype(float) for a in agree])
-    return {"n_samples": n, "n_tokens": int(sum(x.size for x in diffs)), "kl_diff_mean": d, "kl_diff_ci95": d_ci,
-            "kl_direct_mean": k, "kl_direct_ci95": k_ci, "top1_vs_baseline": t}
+def summarize_pairs(diffs: list, directs: list, agree: list) -> dict:
+    """Per-sample arrays of a candidate against the baseline on the same tokens -> means over the tokens and 95%
+    intervals over the samples: KL to dense minus the baseline's (paired), KL(baseline || candidate), top-1."""
+    import numpy as np
+
+    def mean(parts):
+        return float(np.concatenate(parts).mean()) if parts else None
+
+    return {"n_samples": len(diffs), "n_tokens": int(sum(x.size for x in diffs)),
+            "kl_diff_mean": mean(diffs), "kl_diff_ci95": _ci95([x.mean() for x in diffs]),
+            "kl_direct_mean": mean(directs), "kl_direct_ci95": _ci95([x.mean() for x in directs]),
+            "top1_vs_baseline": mean([a.astype(float) for a in agree])}
 
 
 def summarize(kls: list, top1s: list, nlls: list) -> dict:
@@ -162,11 +164,11 @@ def summarize(kls: list, top1s: list, nlls: list) -> dict:
         "kl_p50": C.quantile(kl_all, 0.5), "kl_p95": C.quantile(kl_all, 0.95), "kl_p99": C.quantile(kl_all, 0.99),
         "kl_max": float(kl_all.max()) if kl_all.size else None,
         "kl_sample_std": float(kl_s.std(ddof=1)) if n > 1 else None,
-        "kl_ci95": float(1.96 * kl_s.std(ddof=1) / np.sqrt(n)) if n > 1 else None,
+        "kl_ci95": _ci95(kl_s),
         "top1": float(t_all.mean()) if t_all.size else None,
         "top1_sample_std": float(t_s.std(ddof=1)) if n > 1 else None,
         "top1_sample_p5": C.quantile(t_s, 0.05), "top1_sample_min": float(t_s.min()) if n else None,
-        "top1_ci95": float(1.96 * t_s.std(ddof=1) / np.sqrt(n)) if n > 1 else None,
+        "top1_ci95": _ci95(t_s),
         "nll": float(nll_all.mean()) if nll_all.size else None,
     }
 
@@ -261,6 +263,7 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
         results["reference_nll"] = {str(L): float(np.mean(v)) for L, v in by_len_nll.items()}
 
         # 2. floor paths and candidates against it
+        base_kl = {}   # sample -> the baseline candidate's per-token KL to dense (--baseline)
         for cname, kind, opts, batch, desc in configs:
             t0 = time.time()
             llm = C.make_llm(model, opts)
@@ -277,12 +280,12 @@ def run_kld(model: str, data: list[str] | None = None, lengths: list[int] | None
                     per_len[L][0].append(kl)
                     per_len[L][1].append(t1)
                     per_len[L][2].append(nll)
-                    if is_base:
+                    if is_base:   # its rows on disk (a [C, vocab] fp32 tensor per sample), its KLs in memory
                         torch.save(r.clone(), os.path.join(tmp, f"base{k}.pt"))
-                        np.save(os.path.join(tmp, f"basekl{k}.npy"), kl)
+                        base_kl[k] = kl
                     elif vs_base:
                         direct, agree, _ = compare(torch.load(os.path.join(tmp, f"base{k}.pt")), r, s["cont"][1:])
-                        pairs[L][0].append(kl - np.load(os.path.join(tmp, f"basekl{k}.npy")))
+                        pairs[L][0].append(kl - base_kl[k])
                         pairs[L][1].append(direct)
                         pairs[L][2].append(agree)
             bar.close()

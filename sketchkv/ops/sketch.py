@@ -413,12 +413,12 @@ def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, rec
     nibble. The fp32 CUDA-core kernel spends ~8 instructions per sketch byte (it issues at 75% of the SMs' peak
     with DRAM at 47%: instruction-bound, H200 run 81); this one ~1.5 in its loop: 102 against 119 us per 27B
     layer at 8 x 250K (60% of the copy bandwidth against 52%, bpp 4 x 4 warps the best of 2-16 x 4-16; H200 runs
-    82-83). What is left (ncu, run 82: DRAM 54%, issue slots 62%, stalls on shared memory / shuffles) is
+    83-84). What is left (ncu, run 83: DRAM 54%, issue slots 62%, stalls on shared memory / shuffles) is
     mostly each program quantising and packing its query heads (max, round, word packing, a broadcast through
     shared memory per KV head), which larger tiles amortise: codes made once per step outside would remove it.
-    Same meaning as sketch_score_ref on the dequantised query codes * scale, up to fp32 rounding. unpack: "asm" (PTX dp4a on int32 words, CUDA only),
-    "ops" (the same integers with Triton ops: the interpreter's path), "auto" = asm on CUDA. softmax is not
-    offered (its per-head scores go the tensor-core way: sketch_score_dot)."""
+    Same meaning as sketch_score_ref on the dequantised query codes * scale, up to fp32 rounding. unpack: "asm"
+    (PTX dp4a on int32 words, CUDA only), "ops" (the same integers with Triton ops: the interpreter's path),
+    "auto" = asm on CUDA. softmax is not offered (its per-head scores go the tensor-core way: sketch_score_dot)."""
     if combine not in ("sum", "max"):
         raise ValueError(f"sketch_score_dp4a scores sum or max, got {combine!r}")
     if unpack not in ("auto", "asm", "ops"):
@@ -719,7 +719,7 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     """kernel: "fma" (CUDA-core dots, fp32), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
     take "fma": tl.dot needs r/2 >= 16), "dp4a" (sum / max in integers with int8 query codes,
     sketch_score_dp4a; softmax takes "dot") or "auto": the faster one measured on an H200 at 8 x 250K, one layer
-    of the 27B shape (runs 17, 29, 33, 48, 82-83, benchmarks/bench_sketch_score.py): dp4a for sum (102 us, 60% of
+    of the 27B shape (runs 17, 29, 33, 48, 83-84, benchmarks/bench_sketch_score.py): dp4a for sum (102 us, 60% of
     the copy bandwidth, against fma's 119 and dot's 156), fma for max (not measured with dp4a: each of its query
     heads is quantised per program), dot for softmax (244 us with stored head scores, 519 scoring twice, 1,101 on
     CUDA cores: 24 per-head dots per token; 240 / 508 us replayed in CUDA graphs, run 48)."""
