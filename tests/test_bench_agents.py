@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from sketchkv.bench.agents import (argv_without, engine_knobs, goals, host_rows, label, parse_agents, parse_tokens,
-                                   point_command, row_host_rows)
+                                   point_command, row_head_combine, row_host_rows)
 from sketchkv.cli import build_parser
 from sketchkv.cli import main as cli_main
 from sketchkv.config import default_model
@@ -205,6 +205,12 @@ def test_point_flags():
     assert point_command(off, "sparse", 8, 32768, "chunk", False).count("residual-keys") == 1
     assert label("sparse", host_rows("int4", True)) == "sketchkv sparse + host tier (int4 residual-key rows)"
     assert label("sparse", host_rows("k8v4", False)) == "sketchkv sparse + host tier (k8v4 rows)"
+    assert label("sparse", host_rows("int4", True), "sum") == (
+        "sketchkv sparse + host tier (int4 residual-key rows, sum combine)")
+    # a saved row's combine: its file's, else its command's flag (files before session 23), else the default
+    assert row_head_combine({"sparse": {"head_combine": "max"}}, {"command": ""}) == "max"
+    assert row_head_combine({"sparse": {}}, {"command": "sketchkv bench agents --sparse-head-combine sum"}) == "sum"
+    assert row_head_combine({"sparse": {}}, {"command": "sketchkv bench agents --configs sparse"}) == "softmax"
     # engine knobs keep two runs of a point apart in a merged report; on/off switches take no value
     assert engine_knobs("sketchkv bench agents --no-sparse-admit-stream --configs sparse --sparse-top-k 256") == (
         ("--no-sparse-admit-stream", ""), ("--sparse-top-k", "256"))
@@ -248,6 +254,9 @@ def test_data_parallel_replicas_and_ratio(tmp_path):
 def test_kernel_kinds_of_the_gpu_breakdown():
     from sketchkv.bench.breakdown import kernel_kind
     assert kernel_kind("_sketch_score_kernel") == "sketch score"
+    for k in ("_sketch_score_dp4a_kernel", "_query_words_kernel", "_head_lse_kernel", "_softmax_combine_kernel"):
+        assert kernel_kind(k) == "sketch score"   # every kernel of a scoring call
+    assert kernel_kind("_radix_hist_kernel") == "top-k"
     assert kernel_kind("chunk_gated_delta_rule_fwd_kernel_h") == "gdn (fla)"
     assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm (weights)"
     assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "index / gather (torch)"

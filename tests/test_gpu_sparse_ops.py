@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from sketchkv.ops.sketch import (quantize_int4, quantize_query_int8, sketch_score, sketch_score_dot,
-                                 sketch_score_dp4a, sketch_score_ref)
+from sketchkv.ops.sketch import (quantize_int4, quantize_query_int8, query_words, query_words_ref, sketch_score,
+                                 sketch_score_dot, sketch_score_dp4a, sketch_score_ref)
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import topk_positions, topk_ref
-from test_sparse import dot_error_bound
+from test_sparse import _abs_sketch, dot_error_bound
 
 pytestmark = pytest.mark.gpu
 
@@ -41,12 +41,19 @@ def _sketch_250k(seed: int):
 
 @pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "softmax"), (True, "max")])
 def test_gpu_sketch_score_250k(shared, combine):
+    """The default kernels against the fp32 reference: softmax (dot, fp16 q) to 1e-3; sum and max (dp4a, int8 query
+    codes) within the codes' rounding bound, sum_r |q_r - q^_r| |k_r| over the combined heads."""
     qp, packed, scale, geo = _sketch_250k(11)
     args = (qp, packed, scale, *geo, shared, combine, D ** -0.5)
     out, ref = sketch_score(*args), sketch_score_ref(*args)
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
     fin = torch.isfinite(ref)
-    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-3, atol=1e-3)
+    if combine == "softmax":
+        torch.testing.assert_close(out[fin], ref[fin], rtol=1e-3, atol=1e-3)
+        return
+    codes, qs = quantize_query_int8(qp)
+    bound = sketch_score_ref((qp - codes * qs[..., None]).abs(), _abs_sketch(packed), scale, *geo, shared, "sum")
+    assert ((out - ref)[fin].abs() <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all()
 
 
 @pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "softmax"), (False, "softmax"),
@@ -75,11 +82,18 @@ def test_gpu_sketch_score_dot_250k(shared, combine):
 @pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "max")])
 def test_gpu_sketch_score_dp4a_250k(shared, combine):
     """Integer kernel: the PTX dp4a path and the Triton-op path give the same integers (bitwise the same
-    scores); both the reference's for the dequantised query codes up to fp32 rounding."""
+    scores; with the KV heads summed, up to the order of that fp32 sum: the two paths' layouts differ); both the
+    reference's for the dequantised query codes up to fp32 rounding."""
     q, packed, scale, geo = _sketch_250k(12)
     for qq in ([q.sum(2), q] if combine == "sum" else [q]):     # the engine's group-summed form, and every head
         out = sketch_score_dp4a(qq, packed, scale, *geo, shared, combine)
-        assert torch.equal(out, sketch_score_dp4a(qq, packed, scale, *geo, shared, combine, unpack="ops"))
+        ops = sketch_score_dp4a(qq, packed, scale, *geo, shared, combine, unpack="ops")
+        if shared and combine == "sum":
+            assert torch.equal(torch.isinf(out), torch.isinf(ops))
+            torch.testing.assert_close(out, ops, rtol=1e-6, atol=1e-5)
+        else:
+            assert torch.equal(out, ops)
+        assert torch.equal(query_words(qq), query_words_ref(qq))   # the words kernel: the reference's bits
         codes, qs = quantize_query_int8(qq)
         ref = sketch_score_ref(codes.float() * qs[..., None], packed, scale, *geo, shared, combine)
         assert torch.equal(torch.isinf(out), torch.isinf(ref))

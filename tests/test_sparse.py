@@ -11,8 +11,8 @@ from sketchkv.kv.basis import KeyBasis
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import (dequantize_int4, project_queries, project_queries_ref, quantize_int4,
-                                 quantize_query_int8, sketch_keys_ref, sketch_score, sketch_score_dot,
-                                 sketch_score_dp4a, sketch_score_ref, softmax_combine)
+                                 quantize_query_int8, query_words, query_words_ref, sketch_keys_ref, sketch_score,
+                                 sketch_score_dot, sketch_score_dp4a, sketch_score_ref, softmax_combine)
 from sketchkv.ops.selection import compose_selection, compose_selection_ref
 from sketchkv.ops.sketch_base import apply_sketch_base, row_slots, sketch_base_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
@@ -160,10 +160,10 @@ def test_interp_sketch_score_dp4a_kernel_matches_reference():
     and within the codes' rounding bound of the fp32 query's: |q - q^| <= scale / 2 per element, so a score
     moves by <= sum_r |q_r - q^_r| |k_r| (summed over the combined heads: bounds sum and max)."""
     torch.manual_seed(3)
-    for r in (16, 64):
-        packed, scale, tables, lens = _paged_sketch([1, 37, 200, 64], Hkv=4, r=r, bs=16, seed=r)
+    for r, Hkv in ((16, 4), (64, 4), (64, 3)):   # 3 KV heads: padded to 4 rows per token in the kernel
+        packed, scale, tables, lens = _paged_sketch([1, 37, 200, 64], Hkv=Hkv, r=r, bs=16, seed=r)
         geo = (tables, lens, 4, 16, 208)
-        for qp in (torch.randn(4, 4, r) * 3, torch.randn(4, 4, 3, r)):   # group-summed, and per query head
+        for qp in (torch.randn(4, Hkv, r) * 3, torch.randn(4, Hkv, 3, r)):   # group-summed, and per query head
             codes, qs = quantize_query_int8(qp)
             assert codes.abs().max() == 127 and (qp - codes * qs[..., None]).abs().le(qs[..., None] / 2 + 1e-6).all()
             q_hat = codes.float() * qs[..., None]
@@ -179,6 +179,25 @@ def test_interp_sketch_score_dp4a_kernel_matches_reference():
     assert torch.equal(out, sketch_score(qp, packed, scale, *geo, shared, combine, kernel="dp4a"))
     with pytest.raises(ValueError, match="sum or max"):
         sketch_score_dp4a(qp, packed, scale, *geo, True, "softmax")
+
+
+@needs_interp
+def test_interp_query_words_matches_reference():
+    """The dp4a kernel's per-head query words: the Triton launch gives the reference's int32 words bit for bit
+    (codes, sum, scale bits), and the words' signed bytes are quantize_query_int8's codes, even dims then odd."""
+    torch.manual_seed(5)
+    for r in (16, 64):
+        qp = torch.randn(3, 4, 2, r) * torch.tensor([1e-3, 1.0, 50.0])[:, None, None, None]
+        qp[0, 0, 0] = 0.0   # an all-zero head: codes 0, the scale's floor
+        words = query_words(qp)
+        assert words.shape == (3, 4, 2, r // 4 + 2) and torch.equal(words, query_words_ref(qp))
+        codes, qs = quantize_query_int8(qp)
+        W = r // 8
+        signed = (words[..., :2 * W, None] << torch.tensor([24, 16, 8, 0], dtype=torch.int32)) >> 24   # byte i of word j
+        assert torch.equal(signed[..., :W, :].flatten(-2), codes[..., 0::2])
+        assert torch.equal(signed[..., W:, :].flatten(-2), codes[..., 1::2])
+        assert torch.equal(words[..., 2 * W], codes.sum(-1, dtype=torch.int32))
+        assert torch.equal(words[..., 2 * W + 1].view(torch.float32), qs)
 
 
 def _abs_sketch(packed):
@@ -273,7 +292,8 @@ def test_interp_sketch_score_kernel_switch():
     packed, scale, tables, lens = _paged_sketch([37, 100], Hkv=2, r=16, bs=16, seed=2)
     q16 = torch.randn(2, 2, 3, 16)                       # r / 2 < 16: too small for tl.dot -> "fma"
     args = (packed, scale, tables, lens, 4, 8, 112, False, "max")
-    assert torch.equal(sketch_score(q16, *args, kernel="dot"), sketch_score(q16, *args))
+    assert torch.equal(sketch_score(q16, *args, kernel="dot"), sketch_score(q16, *args, kernel="fma"))
+    assert torch.equal(sketch_score(q16, *args), sketch_score_dp4a(q16, *args))   # auto: max in integers too
     args = (packed, scale, tables, lens, 4, 8, 112, True, "softmax", 0.2)       # auto picks dot: falls back too
     assert torch.equal(sketch_score(q16, *args), sketch_score(q16, *args, kernel="fma"))
 

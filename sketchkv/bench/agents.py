@@ -63,9 +63,13 @@ SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "s
 LONG = 240_000  # "250K-class" contexts for the goal checks
 
 
-def label(config: str, host_format: str) -> str:
-    """A row's name in the reports: the sparse rows name their host format (runs with other formats merge)."""
-    return LABELS[config] + (f" ({host_format} rows)" if config == "sparse" else "")
+def label(config: str, host_format: str, head_combine: str = "softmax") -> str:
+    """A row's name in the reports: the sparse rows name their host format and a head combine other than the
+    default (runs with other knobs merge)."""
+    if config != "sparse":
+        return LABELS[config]
+    combine = "" if head_combine == "softmax" else f", {head_combine} combine"
+    return LABELS[config] + f" ({host_format} rows{combine})"
 
 
 def host_rows(fmt: str, residual_keys: bool) -> str:
@@ -80,6 +84,12 @@ def row_host_rows(part: dict, row: dict) -> str:
     sp = part["sparse"]
     residual = sp.get("residual_keys", ("--sparse-host-residual-keys", "") in engine_knobs(row.get("command", "")))
     return host_rows(sp["host_format"], residual)
+
+
+def row_head_combine(part: dict, row: dict) -> str:
+    """A saved sparse row's head combine: its file's (since session 23), else its command's flag, else the default."""
+    knobs = dict(engine_knobs(row.get("command", "")))
+    return part["sparse"].get("head_combine", knobs.get("--sparse-head-combine", "softmax"))
 
 
 def parse_tokens(s: str) -> int:
@@ -625,7 +635,7 @@ def run(args, name: str, write: bool = True) -> dict:
                "text": source, "sparse": {"top_k": sp.top_k, "sink_tokens": sp.sink_tokens,
                                           "recent_tokens": sp.recent_tokens, "host_format": sp.host_format,
                                           "hot_fraction": sp.hot_fraction, "prefill_selection": prefill_selection,
-                                          "residual_keys": residual_keys},
+                                          "residual_keys": residual_keys, "head_combine": sp.head_combine},
                "capacity": [{"config": c, "context": L, "host_format": rows_name, **v}
                             for (c, L), v in caps.items()],
                "rows": []}
@@ -638,7 +648,7 @@ def run(args, name: str, write: bool = True) -> dict:
                 if a == "max" and cfgname != "sparse":
                     n = caps[(cfgname, L)]["max_agents"]
                 points.append((L, a, n))
-        row0 = lambda L, a, n: {"config": cfgname, "label": label(cfgname, rows_name),  # noqa: E731
+        row0 = lambda L, a, n: {"config": cfgname, "label": label(cfgname, rows_name, sp.head_combine),  # noqa: E731
                                 "agents": n, "agents_arg": a, "context": L,
                                 "command": point_command(argv, cfgname, n if a != "max" else "max", L,
                                                          *((prefill_selection, residual_keys) if cfgname == "sparse"
@@ -793,7 +803,7 @@ def merge(paths: list[str], out_dir: str, name: str) -> dict:
         for row in part["rows"]:
             key = (row["config"], row["agents"], row["context"], engine_knobs(row.get("command", "")))
             rows.pop(key, None)
-            rows[key] = {**row, "label": label(row["config"], row_host_rows(part, row))}
+            rows[key] = {**row, "label": label(row["config"], row_host_rows(part, row), row_head_combine(part, row))}
     merged["rows"] = list(rows.values())
     dp = {}  # data-parallel points likewise, keyed by their replica count too
     for part in parts:

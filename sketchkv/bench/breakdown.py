@@ -110,8 +110,8 @@ def _sleep_cycles(seconds: float) -> int:
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
     ("gdn (fla)", ("gated_delta", "chunk_", "recurrent", "causal_conv", "_gdn_gates", "l2norm")),
-    ("sketch score", ("_sketch_score",)),
-    ("top-k", ("_count_kernel", "_compact_kernel", "topk", "radixSort", "RadixSort", "bitonic")),
+    ("sketch score", ("_sketch_score", "_query_words", "_head_lse", "_lse_finish", "_softmax_combine")),
+    ("top-k", ("_count_kernel", "_compact_kernel", "_radix_", "topk", "radixSort", "RadixSort", "bitonic")),
     ("attention", ("_decode_split", "_decode_reduce", "sparse_attention", "flash")),
     ("host gather (PCIe)", ("_host_gather",)),
     ("scatter rows", ("_scatter_rows",)),

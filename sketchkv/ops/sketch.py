@@ -1,6 +1,6 @@
 """Key sketches: int4 quantisation of basis-projected keys, and scoring every cached token
-through them. PyTorch reference + two Triton kernels (CUDA-core FMAs, the default; tensor cores,
-sketch_score_dot) + one dispatch.
+through them. PyTorch reference + three Triton kernels (CUDA-core FMAs; tensor cores, sketch_score_dot: softmax;
+integers, sketch_score_dp4a: sum and max) + one dispatch (sketch_score).
 
 Sketch layout, paged like the KV cache so prefix blocks can be shared:
   sketch [num_blocks, block_size, Hkv, r // 2] uint8 — two signed int4 values per byte
@@ -327,15 +327,17 @@ SOFTMAX_SCRATCH_BYTES = 128 << 20   # stored head scores of one launch; larger b
 
 def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
                   sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES,
-                  **consts):
+                  rank: int | None = None, **consts):
     """Shared launcher of the two scoring kernels (same arguments and modes). softmax, two passes over the
     sketch: pass 1 (per-program partial log-sum-exp per query head; torch combines them over programs), then
     pass 2: the sketch scored again. softmax with store_heads (dot kernel): the sketch scored once, every head's
     score stored in fp16 ([rows, Hq, max_len]: 48 B per token at 24 heads, against the 136 B of sketch and
     scales a second scoring pass reads), then each head's total (_head_lse_kernel per chunk of tokens,
     _lse_finish_kernel) and _softmax_combine_kernel; rows go in groups whose scores fit in `scratch_bytes`
-    (8 x 256K tokens x 24 heads: 98 MB, one group)."""
+    (8 x 256K tokens x 24 heads: 98 MB, one group). rank: the sketch's, when qp holds something else per query
+    head (the dp4a kernel's words)."""
     B, Hkv, G, r = qp.shape
+    r = rank or r
     bs = sketch.shape[1]
     # each block's rows must be one contiguous [bs, Hkv * r/2] tile (how the runner allocates them)
     assert sketch.stride(1) == Hkv * (r // 2) and sketch.stride(2) == r // 2 and sketch.stride(3) == 1
@@ -400,22 +402,51 @@ def quantize_query_int8(qp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = max|q| / 127 (at least 2^-126 / 127: an all-zero head scores 0), codes round(q / scale) half to
     even. What sketch_score_dp4a scores with: q^ = codes * scale, |q - q^| <= scale / 2 per element."""
     q = qp.float()
-    scale = q.abs().amax(-1).clamp_min(2.0 ** -126) / 127.0
+    m = q.abs().amax(-1).clamp_min(2.0 ** -126)
+    # a tensor divisor, not the Python float: on CUDA, torch multiplies by the reciprocal of a scalar divisor, which
+    # rounds differently from the kernel's IEEE division (H200 run 85: words that differed from the kernel's)
+    scale = m / torch.full_like(m, 127.0)
     return torch.round(q / scale[..., None]).clamp_(-127, 127).to(torch.int32), scale
 
 
+def query_words_ref(qp: torch.Tensor) -> torch.Tensor:
+    """qp [..., r] -> int32 [..., r/4 + 2], what the dp4a kernel reads per query head: the int8 codes of
+    quantize_query_int8 packed 4 per word (byte i of word j = code 4j + i), the even dims' r/8 words, then the
+    odd dims' r/8, then the codes' sum, then the scale's fp32 bits."""
+    codes, scale = quantize_query_int8(qp)
+    shift = torch.arange(4, device=qp.device, dtype=torch.int32) * 8
+
+    def words(c):   # [..., r/2] -> [..., r/8]; disjoint bits: the sum is an OR (int32 wraps like the kernel)
+        return ((c.unflatten(-1, (-1, 4)) & 255) << shift).sum(-1, dtype=torch.int32)
+
+    return torch.cat([words(codes[..., 0::2]), words(codes[..., 1::2]), codes.sum(-1, dtype=torch.int32)[..., None],
+                      scale.view(torch.int32)[..., None]], -1)
+
+
+def query_words(qp: torch.Tensor) -> torch.Tensor:
+    """query_words_ref in one Triton launch (one program per query head), made once per scoring call: when every
+    scoring program quantised its own query heads, that was the dp4a kernel's top stall (ncu, H200 run 83)."""
+    qp = qp.float().contiguous()
+    r = qp.shape[-1]
+    out = torch.empty(*qp.shape[:-1], r // 4 + 2, dtype=torch.int32, device=qp.device)
+    n = qp.numel() // r
+    if n:
+        _query_words_kernel[(n,)](qp, out, R=r, num_warps=1)
+    return out
+
+
 def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
-                      shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 4,
+                      shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 1,
                       num_warps: int = 4, unpack: str = "auto") -> torch.Tensor:
-    """sum / max scoring in integers: each query head quantised to int8 (quantize_query_int8, in the kernel),
-    every 4 sketch bytes (8 nibbles) against it in two dp4a instructions (4 byte products summed into an int32
-    each), exact; the score is (sum_r q8_r u_r - 8 sum_r q8_r) * scale_t * scale_q with u = v + 8 the stored
+    """sum / max scoring in integers: each query head quantised to int8 (query_words: once per call, one small
+    launch), every 4 sketch bytes (8 nibbles) against it in two dp4a instructions (4 byte products summed into an
+    int32 each), exact; the score is (sum_r q8_r u_r - 8 sum_r q8_r) * scale_t * scale_q with u = v + 8 the stored
     nibble. The fp32 CUDA-core kernel spends ~8 instructions per sketch byte (it issues at 75% of the SMs' peak
-    with DRAM at 47%: instruction-bound, H200 run 81); this one ~1.5 in its loop: 102 against 119 us per 27B
-    layer at 8 x 250K (60% of the copy bandwidth against 52%, bpp 4 x 4 warps the best of 2-16 x 4-16; H200 runs
-    83-84). What is left (ncu, run 83: DRAM 54%, issue slots 62%, stalls on shared memory / shuffles) is
-    mostly each program quantising and packing its query heads (max, round, word packing, a broadcast through
-    shared memory per KV head), which larger tiles amortise: codes made once per step outside would remove it.
+    with DRAM at 47%: instruction-bound, H200 run 81); this one ~1.5. One 27B layer at 8 x 250K on an H200, replayed
+    from a CUDA graph (run 87, benchmarks/bench_sketch_score.py): sum 78 us, **79% of the copy bandwidth** (fma
+    119, 51%; ncu: 69 us, DRAM 79%), max 159 us (every query head: 6 dots per row; fma 311). Earlier versions made
+    the codes in every program (102 us, its top stall; runs 83-84) or looped over the KV heads (96 us; run 87).
+    Tiles: bpp 1-2 x 2-4 warps within 6% of each other for sum, larger ones slower (run 87).
     Same meaning as sketch_score_ref on the dequantised query codes * scale, up to fp32 rounding. unpack: "asm"
     (PTX dp4a on int32 words, CUDA only), "ops" (the same integers with Triton ops: the interpreter's path),
     "auto" = asm on CUDA. softmax is not offered (its per-head scores go the tensor-core way: sketch_score_dot)."""
@@ -423,11 +454,13 @@ def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, rec
         raise ValueError(f"sketch_score_dp4a scores sum or max, got {combine!r}")
     if unpack not in ("auto", "asm", "ops"):
         raise ValueError(f"unpack must be auto, asm or ops, got {unpack!r}")
-    qp = _as_groups(qp).contiguous()
+    qp = _as_groups(qp)
     assert qp.shape[-1] % 8 == 0 and (qp.shape[-1] // 2) & (qp.shape[-1] // 2 - 1) == 0, \
         "rank must be a multiple of 8 with rank / 2 a power of two (4-byte words)"
-    return _launch_score(_sketch_score_dp4a_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len,
-                         shared, combine, sm_scale, bpp, num_warps, 1,
+    # the kernel reads each query head's words through the query's batch / KV head / group strides; R = the rank
+    return _launch_score(_sketch_score_dp4a_kernel, query_words(qp), sketch, scale, block_tables, seq_lens, sinks,
+                         recent, max_len, shared, combine, sm_scale, bpp, num_warps, 1, rank=qp.shape[-1],
+                         HKVP=triton.next_power_of_2(qp.shape[1]),
                          ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda
                                                  and isinstance(_sketch_score_dp4a_kernel, triton.runtime.JITFunction)))
 
@@ -435,20 +468,21 @@ def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, rec
 if triton is not None:
 
     @triton.jit
-    def _query_int8(q_row, R: tl.constexpr):
-        """One projected query head [R] fp32 -> (even-dim codes [R/2], odd-dim codes [R/2], sum of codes, scale),
-        as quantize_query_int8 (IEEE division, round half to even)."""
-        q = tl.load(q_row + tl.arange(0, R)).to(tl.float32)
+    def _query_words_kernel(q_ptr, out_ptr, R: tl.constexpr):
+        # one query head [R] fp32 -> its int8 codes (IEEE division, round half to even: quantize_query_int8's
+        # integers) packed as query_words_ref's [R/4 + 2] int32
+        i = tl.program_id(0).to(tl.int64)
+        W: tl.constexpr = R // 8
+        q = tl.load(q_ptr + i * R + tl.arange(0, R))
         qs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(q), 0), 1.1754943508222875e-38), 127.0)
         c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(q, qs)), -127.0), 127.0).to(tl.int32)
         ce, co = tl.split(tl.reshape(c, (R // 2, 2)))
-        return ce, co, tl.sum(c, 0), qs
-
-    @triton.jit
-    def _bytes_to_words(c, W: tl.constexpr):
-        # codes [4 W] int32 in [-127, 127] -> [W] int32, byte i of word j = c[4 j + i] (disjoint bits: a sum is an OR)
         shift = tl.arange(0, 4) * 8
-        return tl.sum((tl.reshape(c, (W, 4)) & 255) << shift[None, :], 1)
+        row = out_ptr + i * (2 * W + 2)
+        tl.store(row + tl.arange(0, W), tl.sum((tl.reshape(ce, (W, 4)) & 255) << shift[None, :], 1))
+        tl.store(row + W + tl.arange(0, W), tl.sum((tl.reshape(co, (W, 4)) & 255) << shift[None, :], 1))
+        tl.store(row + 2 * W, tl.sum(c, 0))
+        tl.store(row + 2 * W + 1, qs.to(tl.int32, bitcast=True))
 
     @triton.jit
     def _sketch_score_dp4a_kernel(qp_ptr, sk_ptr, sc_ptr, bt_ptr, lens_ptr, lse_ptr, out_ptr, y_ptr,
@@ -457,50 +491,73 @@ if triton is not None:
                                   stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
                                   HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
                                   G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
-                                  ASM: tl.constexpr = False):
-        # One program per (sequence, BPP consecutive KV blocks) = TOK token rows, one KV head at a time. MODE 0:
-        # sum over heads, 1: max (the launcher's modes; lse_ptr, qk_scale, GP, y_ptr unused). Per query head the
-        # int8 codes are made here (R elements: small beside TOK x R/2 sketch bytes). ASM: a row's R/2 bytes load
+                                  HKVP: tl.constexpr = 1, ASM: tl.constexpr = False):
+        # One program per (sequence, BPP consecutive KV blocks) = TOK tokens, as ROWS = TOK x HKVP rows (token, KV
+        # head; HKVP = HKV rounded up to a power of two, the padding rows masked): a token's KV heads are
+        # consecutive in the sketch and in the scales, so each block's bytes load as one contiguous run and every
+        # row's query words come from L1 (query_words: R/4 + 2 int32 per head).
+        # Looping over the KV heads with [TOK] vectors instead moved each head's pointers and scores through shared
+        # memory (Triton layout conversions): 96 against 78 us per 27B layer (H200 run 87). MODE 0: sum over
+        # heads, 1: max (the launcher's modes; lse_ptr, qk_scale, GP, y_ptr unused). ASM: a row's R/2 bytes load
         # as R/8 int32 words; per word the low nibbles (even dims) and the high ones (odd dims) are masked in
         # place and each dp4a'd against 4 codes of the matching dims. Otherwise: the same integers, byte by byte.
-        b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
-                                                       stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS)
-        TOK: tl.constexpr = BPP * BS
         H2: tl.constexpr = R // 2
         W: tl.constexpr = R // 8
-        acc = tl.full((TOK,), float("-inf") if MODE == 1 else 0.0, tl.float32)   # SHARED: over KV heads
-        for h in tl.static_range(HKV):
+        TOK: tl.constexpr = BPP * BS
+        ROWS: tl.constexpr = TOK * HKVP
+        b = tl.program_id(0)
+        pid = tl.program_id(1)
+        n = tl.load(lens_ptr + b)
+        rr = tl.arange(0, ROWS)
+        hh = rr % HKVP
+        real = hh < HKV
+        hq = tl.minimum(hh, HKV - 1)   # a padding row reads a real head's query words (in bounds, unused)
+        t = pid * TOK + rr // HKVP
+        j = t // BS
+        live = (j * BS < n) & (j < num_blocks)
+        valid = live & (t >= sinks) & (t < n - recent)
+        ld = valid & real
+        blk = tl.load(bt_ptr + b * stride_btb + j, mask=live, other=0).to(tl.int64)
+        row_sk = sk_ptr + blk * stride_skb + ((t % BS) * HKV + hh) * H2
+        sc = tl.load(sc_ptr + blk * stride_scb + (t % BS) * HKV + hh, mask=ld, other=0.0).to(tl.float32)
+        if ASM:
+            words = tl.load(row_sk.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, W)[None, :],
+                            mask=ld[:, None], other=0)                                          # [ROWS, W]
+        else:
+            packed = tl.load(row_sk[:, None] + tl.arange(0, H2)[None, :], mask=ld[:, None],
+                             other=0).to(tl.int32)                                              # [ROWS, H2]
+            lo = packed & 15
+            hi = packed >> 4
+        hs = tl.full((ROWS,), float("-inf") if MODE == 1 else 0.0, tl.float32)
+        for g in tl.static_range(G):
+            qrow = qp_ptr + b * stride_qb + hq * stride_qh + g * stride_qg                      # [ROWS]
+            csum = tl.load(qrow + 2 * W)
+            qs = tl.load(qrow + 2 * W + 1).to(tl.float32, bitcast=True)
             if ASM:
-                words = tl.load((row_sk + h * H2).to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, W)[None, :],
-                                mask=valid[:, None], other=0)                                       # [TOK, W]
+                we = tl.load(qrow[:, None] + tl.arange(0, W)[None, :])
+                wo = tl.load(qrow[:, None] + W + tl.arange(0, W)[None, :])
+                d = tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b; and.b32 a, $1, 0x0F0F0F0F; shr.u32 b, $1, 4; and.b32 b, b, 0x0F0F0F0F; "
+                    "dp4a.u32.s32 $0, a, $2, 0; dp4a.u32.s32 $0, b, $3, $0; }",
+                    "=r,r,r,r", [words, we, wo], dtype=tl.int32, is_pure=True, pack=1)
+                dots = tl.sum(d, 1)
             else:
-                packed = tl.load(row_sk[:, None] + h * H2 + tl.arange(0, H2)[None, :], mask=valid[:, None],
-                                 other=0).to(tl.int32)                                              # [TOK, H2]
-                lo = packed & 15
-                hi = packed >> 4
-            sc = tl.load(row_sc + h, mask=valid, other=0.0).to(tl.float32)
-            hs = tl.full((TOK,), float("-inf") if MODE == 1 else 0.0, tl.float32)
-            for g in tl.static_range(G):
-                ce, co, csum, qs = _query_int8(qp_ptr + b * stride_qb + h * stride_qh + g * stride_qg, R)
-                if ASM:
-                    we = tl.broadcast_to(_bytes_to_words(ce, W)[None, :], (TOK, W))
-                    wo = tl.broadcast_to(_bytes_to_words(co, W)[None, :], (TOK, W))
-                    d = tl.inline_asm_elementwise(
-                        "{ .reg .b32 a, b; and.b32 a, $1, 0x0F0F0F0F; shr.u32 b, $1, 4; and.b32 b, b, 0x0F0F0F0F; "
-                        "dp4a.u32.s32 $0, a, $2, 0; dp4a.u32.s32 $0, b, $3, $0; }",
-                        "=r,r,r,r", [words, we, wo], dtype=tl.int32, is_pure=True, pack=1)
-                    dots = tl.sum(d, 1)
-                else:
-                    dots = tl.sum(lo * ce[None, :] + hi * co[None, :], 1)
-                s = (dots - 8 * csum).to(tl.float32) * (sc * qs)                                      # [TOK]
-                hs = hs + s if MODE == 0 else tl.maximum(hs, s)
-            if SHARED:
-                acc = acc + hs if MODE == 0 else tl.maximum(acc, hs)
-            else:
-                tl.store(out_ptr + b * stride_ob + h * stride_oh + t, tl.where(valid, hs, float("-inf")),
-                         mask=t < max_len)
-        if SHARED:
-            tl.store(out_ptr + b * stride_ob + t, tl.where(valid, acc, float("-inf")), mask=t < max_len)
+                up = (24 - tl.arange(0, 4) * 8)[None, None, :]
+                we = tl.load(qrow[:, None] + tl.arange(0, W)[None, :])
+                wo = tl.load(qrow[:, None] + W + tl.arange(0, W)[None, :])
+                ce = tl.reshape((we[:, :, None] << up) >> 24, (ROWS, H2))
+                co = tl.reshape((wo[:, :, None] << up) >> 24, (ROWS, H2))
+                dots = tl.sum(lo * ce + hi * co, 1)
+            s = (dots - 8 * csum).to(tl.float32) * (sc * qs)
+            hs = hs + s if MODE == 0 else tl.maximum(hs, s)
+        hs = tl.where(valid, hs, float("-inf"))
+        if SHARED:   # padding rows add nothing (a token's rows are all valid or all not)
+            h2 = tl.reshape(tl.where(real, hs, 0.0 if MODE == 0 else float("-inf")), (TOK, HKVP))
+            acc = tl.sum(h2, 1) if MODE == 0 else tl.max(h2, 1)
+            tt = pid * TOK + tl.arange(0, TOK)
+            tl.store(out_ptr + b * stride_ob + tt, acc, mask=tt < max_len)
+        else:
+            tl.store(out_ptr + b * stride_ob + hh * stride_oh + t, hs, mask=(t < max_len) & real)
 
 
 if triton is not None:
@@ -719,16 +776,16 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     """kernel: "fma" (CUDA-core dots, fp32), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
     take "fma": tl.dot needs r/2 >= 16), "dp4a" (sum / max in integers with int8 query codes,
     sketch_score_dp4a; softmax takes "dot") or "auto": the faster one measured on an H200 at 8 x 250K, one layer
-    of the 27B shape (runs 17, 29, 33, 48, 83-84, benchmarks/bench_sketch_score.py): dp4a for sum (102 us, 60% of
-    the copy bandwidth, against fma's 119 and dot's 156), fma for max (not measured with dp4a: each of its query
-    heads is quantised per program), dot for softmax (244 us with stored head scores, 519 scoring twice, 1,101 on
-    CUDA cores: 24 per-head dots per token; 240 / 508 us replayed in CUDA graphs, run 48)."""
+    of the 27B shape (runs 17, 29, 33, 48, 83-87, benchmarks/bench_sketch_score.py): dp4a for sum (78 us, 79% of
+    the copy bandwidth, against fma's 119 and dot's 156) and for max (159 against fma's 311), dot for softmax (244 us
+    with stored head scores, 519 scoring twice, 1,101 on CUDA cores: 24 per-head dots per token; 240 / 508 us
+    replayed in CUDA graphs, run 48)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if kernel == "auto":
-        kernel = {"softmax": "dot", "sum": "dp4a", "max": "fma"}[combine]
+        kernel = {"softmax": "dot", "sum": "dp4a", "max": "dp4a"}[combine]
     if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         if kernel == "dp4a" and combine != "softmax" and qp.shape[-1] % 8 == 0:
             return sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
