@@ -27,24 +27,11 @@ import triton
 
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_ops import bench, copy_bw  # noqa: E402
+from bench_sparse_ops import bench, copy_bw, graphed  # noqa: E402
 from sketchkv.ops.sketch import (quantize_int4, quantize_query_int8, sketch_score_dot, sketch_score_dp4a,  # noqa: E402
                                   sketch_score_ref, sketch_score_triton)
 from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk_positions,  # noqa: E402
                                topk_positions_triton)
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph (after a warm-up that compiles its kernels): the replay, to time."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def kernel_times(fn, calls: int = 20) -> dict:

@@ -25,6 +25,19 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up that compiles its kernels): the replay, to time."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def copy_bw() -> float:
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
     b = torch.empty_like(a)
@@ -87,9 +100,12 @@ def main():
                                                                  max_len, True, "softmax", D ** -0.5)) * 1e6
     # bytes: the sketch read twice + one score per token written
     rows["sketch_score_softmax_bytes"] = 2 * B * L * Hkv * (r // 2 + 2) + B * max_len * 4
-    # tensor-core kernel (sketch_score_dot: tl.dot, fp16 q) on the same inputs, next to the fma kernel above:
-    # differences, top-k set overlap with the fma kernel's picks, and a small (blocks per program, warps) sweep
+    # tensor-core kernel (sketch_score_dot: tl.dot, fp16 q) on the same inputs, next to the fp32 fma kernel:
+    # differences, top-k set overlap with the fma kernel's picks, and a small (blocks per program, warps) sweep.
+    # (The auto scores above are the integer kernel's for sum and the dot kernel's for softmax.)
     sm_ = D ** -0.5
+    s = sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len, kernel="fma")
+    s_sm = sketch_score(qph, sk, sc, tables, lens, a.sinks, a.recent, max_len, True, "softmax", sm_, kernel="fma")
 
     def overlap(x, y):  # fraction of x's top-k positions also in y's
         px, py = topk_positions(x, a.top_k, -1), topk_positions(y, a.top_k, -1)
@@ -106,7 +122,7 @@ def main():
     rows["dot_sum_topk_overlap_with_fma"] = overlap(s, s_dot)           # min over sequences
     rows["dot_softmax_topk_overlap_with_fma"] = overlap(s_sm, s_sm_dot)
     rows["sketch_score_fma_us"] = bench(lambda: sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent,
-                                                             max_len)) * 1e6   # again, next to the dot runs
+                                                             max_len, kernel="fma")) * 1e6
     rows["sketch_score_dot_us"] = bench(lambda: sketch_score_dot(qp, sk, sc, tables, lens, a.sinks, a.recent,
                                                                  max_len)) * 1e6
     rows["sketch_score_dot_sum_24_heads_us"] = bench(lambda: sketch_score_dot(
@@ -153,6 +169,19 @@ def main():
         i_ = torch.sort(torch.cat([sinks.int(), p_, recent.int()], -1), -1).values
         return sparse_attention(q, kc, vc, tables, i_, counts, D ** -0.5)
     rows["select_plus_attention_dot_us"] = bench(step_dot) * 1e6
+
+    # each combine's selection + attention replayed from a CUDA graph (how the engine runs a step), against its
+    # bytes (for both: the sketch read once + one score per token, what a one-pass scorer moves, + the picked rows):
+    # sum (group-summed query: the integer kernel) and softmax (every query head: the tensor-core kernel)
+    def select_attend(qq, combine):
+        sc_ = sketch_score(qq, sk, sc, tables, lens, a.sinks, a.recent, max_len, True, combine, D ** -0.5)
+        p_ = topk_positions(sc_, a.top_k, 2**31 - 1)
+        i_ = torch.sort(torch.cat([sinks.int(), p_, recent.int()], -1), -1).values
+        return sparse_attention(q, kc, vc, tables, i_, counts, D ** -0.5)
+    for combine, qq, sbytes in (("sum", qp, score_bytes), ("softmax", qph, score_bytes)):
+        t = bench(graphed(lambda qq=qq, combine=combine: select_attend(qq, combine)))
+        rows[f"select_{combine}_plus_attention_graph_us"] = t * 1e6
+        rows[f"select_{combine}_plus_attention_floor_us"] = (sbytes + attn_bytes) / bw * 1e6
     rows.update(dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device=torch.cuda.get_device_name(),
         command=" ".join(sys.argv), shape=dict(batch=B, context=L, Hq=Hq, Hkv=Hkv, D=D, rank=r, block=bs,
@@ -170,7 +199,7 @@ def main():
     print(f"\nHBM copy {bw/1e9:.0f} GB/s; B={B} x {L} tokens, rank {r}, top-k {a.top_k}")
     print("| kernel (one layer) | time | floor | fraction |")
     print("|---|---|---|---|")
-    print(f"| sketch score | {t_score*1e6:.0f} us | {score_bytes/bw*1e6:.0f} us | {score_bytes/bw/t_score:.0%} |")
+    print(f"| sketch score, sum (auto) | {t_score*1e6:.0f} us | {score_bytes/bw*1e6:.0f} us | {score_bytes/bw/t_score:.0%} |")
     sm_floor = rows['sketch_score_softmax_bytes'] / bw * 1e6
     print(f"| sketch score, softmax combine ({Hq} query heads) | {rows['sketch_score_softmax_us']:.0f} us | "
           f"{sm_floor:.0f} us | {sm_floor / rows['sketch_score_softmax_us']:.0%} |")
@@ -190,15 +219,19 @@ def main():
     fl_dot = rows["select_plus_attention_dot_us"]
     print(f"| select (softmax combine, tensor-core scoring) + attention | {fl_dot:.0f} us | {fl:.0f} us | "
           f"{fl / fl_dot:.0%} |")
+    for combine in ("sum", "softmax"):
+        t, fl = rows[f"select_{combine}_plus_attention_graph_us"], rows[f"select_{combine}_plus_attention_floor_us"]
+        print(f"| select ({combine} combine) + attention, CUDA graph | {t:.0f} us | {fl:.0f} us | {fl / t:.0%} |")
     print(f"| dense paged attention | {t_dense*1e6:.0f} us | {dense_bytes/bw*1e6:.0f} us | {dense_bytes/bw/t_dense:.0%} |")
-    print(f"errors: score {rows['sketch_score_max_abs_err']:.2e}, topk==ref {rows['topk_equal_reference']}, "
+    print(f"errors: score (sum, auto: int8 query codes) {rows['sketch_score_max_abs_err']:.2e}, "
+          f"topk==ref {rows['topk_equal_reference']}, "
           f"attn rel {rows['sparse_attention_rel_err']:.2e}")
     print(f"tensor-core vs fma scoring (same inputs): -inf pattern equal {rows['dot_inf_pattern_equal_fma']}; "
           f"sum max |diff| {rows['dot_sum_max_abs_diff_vs_fma']:.2e} "
           f"(vs ref {rows['dot_sum_max_abs_err_vs_ref']:.2e}), "
           f"top-k overlap {rows['dot_sum_topk_overlap_with_fma']:.4f}; softmax max |diff| "
           f"{rows['dot_softmax_max_abs_diff_vs_fma']:.2e} (vs ref {rows['dot_softmax_max_abs_err_vs_ref']:.2e}), "
-          f"top-k overlap {rows['dot_softmax_topk_overlap_with_fma']:.4f}; fma sum again "
+          f"top-k overlap {rows['dot_softmax_topk_overlap_with_fma']:.4f}; fma sum "
           f"{rows['sketch_score_fma_us']:.0f} us")
     sweep = rows["sketch_score_dot_sweep"]
     print("dot sweep (blocks per program, warps): " + ", ".join(
