@@ -426,6 +426,8 @@ def query_words_ref(qp: torch.Tensor) -> torch.Tensor:
 def query_words(qp: torch.Tensor) -> torch.Tensor:
     """query_words_ref in one Triton launch (one program per query head), made once per scoring call: when every
     scoring program quantised its own query heads, that was the dp4a kernel's top stall (ncu, H200 run 83)."""
+    if triton is None or not (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return query_words_ref(qp)
     qp = qp.float().contiguous()
     r = qp.shape[-1]
     out = torch.empty(*qp.shape[:-1], r // 4 + 2, dtype=torch.int32, device=qp.device)
