@@ -79,15 +79,16 @@ def test_gpu_sketch_score_dot_250k(shared, combine):
                        sketch_score_dot(q, packed, scale, *geo, shared, combine, D ** -0.5, unpack="ops"))
 
 
-@pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "max")])
+@pytest.mark.parametrize("shared,combine", [(True, "sum"), (False, "sum"), (True, "max"), (True, "softmax")])
 def test_gpu_sketch_score_dp4a_250k(shared, combine):
     """Integer kernel: the PTX dp4a path and the Triton-op path give the same integers (bitwise the same
     scores; with the KV heads summed, up to the order of that fp32 sum: the two paths' layouts differ); both the
-    reference's for the dequantised query codes up to fp32 rounding."""
+    reference's for the dequantised query codes up to fp32 rounding (softmax: within its fp16 storage bound)."""
     q, packed, scale, geo = _sketch_250k(12)
+    sm = D ** -0.5
     for qq in ([q.sum(2), q] if combine == "sum" else [q]):     # the engine's group-summed form, and every head
-        out = sketch_score_dp4a(qq, packed, scale, *geo, shared, combine)
-        ops = sketch_score_dp4a(qq, packed, scale, *geo, shared, combine, unpack="ops")
+        out = sketch_score_dp4a(qq, packed, scale, *geo, shared, combine, sm)
+        ops = sketch_score_dp4a(qq, packed, scale, *geo, shared, combine, sm, unpack="ops")
         if shared and combine == "sum":
             assert torch.equal(torch.isinf(out), torch.isinf(ops))
             torch.testing.assert_close(out, ops, rtol=1e-6, atol=1e-5)
@@ -95,12 +96,17 @@ def test_gpu_sketch_score_dp4a_250k(shared, combine):
             assert torch.equal(out, ops)
         assert torch.equal(query_words(qq), query_words_ref(qq))   # the words kernel: the reference's bits
         codes, qs = quantize_query_int8(qq)
-        ref = sketch_score_ref(codes.float() * qs[..., None], packed, scale, *geo, shared, combine)
+        q_hat = codes.float() * qs[..., None]
+        ref = sketch_score_ref(q_hat, packed, scale, *geo, shared, combine, sm)
         assert torch.equal(torch.isinf(out), torch.isinf(ref))
         fin = torch.isfinite(ref)
-        torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-4)
-    assert torch.equal(sketch_score(q, packed, scale, *geo, shared, combine, kernel="dp4a"),
-                       sketch_score_dp4a(q, packed, scale, *geo, shared, combine))
+        if combine == "softmax":
+            bound = dot_error_bound(q_hat, packed, scale, geo, shared, combine, sm, True)
+            assert ((out - ref)[fin].abs() <= bound[fin] + 1e-3 * (1 + ref[fin].abs())).all()
+        else:
+            torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-4)
+    assert torch.equal(sketch_score(q, packed, scale, *geo, shared, combine, sm, kernel="dp4a"),
+                       sketch_score_dp4a(q, packed, scale, *geo, shared, combine, sm))
 
 
 def test_gpu_topk_positions_250k_same_set_as_reference():

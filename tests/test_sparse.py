@@ -177,8 +177,31 @@ def test_interp_sketch_score_dp4a_kernel_matches_reference():
                 bound = sketch_score_ref(_as_heads(qp - q_hat).abs(), _abs_sketch(packed), scale, *geo, shared, "sum")
                 assert ((out - raw)[fin].abs() <= bound[fin] + 1e-4 * (1 + raw[fin].abs())).all()
     assert torch.equal(out, sketch_score(qp, packed, scale, *geo, shared, combine, kernel="dp4a"))
-    with pytest.raises(ValueError, match="sum or max"):
-        sketch_score_dp4a(qp, packed, scale, *geo, True, "softmax")
+    with pytest.raises(ValueError, match="combine must be one of"):
+        sketch_score_dp4a(qp, packed, scale, *geo, True, "mean")
+
+
+@needs_interp
+@pytest.mark.parametrize("shared", [True, False])
+def test_interp_sketch_score_dp4a_softmax_matches_reference(shared):
+    """softmax in integers: every head's score stored in fp16 (as the dot kernel does), then the same per-head
+    totals and combine: the reference's log-masses for the dequantised query codes within the fp16 storage bound
+    (dot_error_bound with an exact query)."""
+    torch.manual_seed(4)
+    sm = 0.2
+    for r, Hkv in ((32, 2), (64, 3)):
+        packed, scale, tables, lens = _paged_sketch([1, 37, 129], Hkv=Hkv, r=r, bs=16, seed=r)
+        geo = (tables, lens, 4, 16, 141)   # 141: the last tile's stores are masked
+        qp = torch.randn(3, Hkv, 3, r)
+        codes, qs = quantize_query_int8(qp)
+        q_hat = codes.float() * qs[..., None]
+        out = sketch_score_dp4a(qp, packed, scale, *geo, shared, "softmax", sm, bpp=1, num_warps=2)
+        ref = sketch_score_ref(q_hat, packed, scale, *geo, shared, "softmax", sm)
+        assert torch.equal(torch.isinf(out), torch.isinf(ref))
+        fin = torch.isfinite(ref)
+        bound = dot_error_bound(q_hat, packed, scale, geo, shared, "softmax", sm, True)
+        assert ((out - ref)[fin].abs() <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all()
+        assert torch.equal(out, sketch_score(qp, packed, scale, *geo, shared, "softmax", sm, kernel="dp4a"))
 
 
 @needs_interp
@@ -286,7 +309,7 @@ def test_interp_sketch_score_kernel_switch():
     assert torch.equal(sketch_score(qp, *args), sketch_score_dot(qp, *args))   # auto: softmax on tensor cores
     fma = sketch_score(qp, *args, kernel="fma")
     torch.testing.assert_close(sketch_score(qp, *args, kernel="dot"), fma, rtol=1e-3, atol=1e-2)  # fp16 head scores
-    assert torch.equal(sketch_score(qp, *args, kernel="dp4a"), sketch_score_dot(qp, *args))       # dp4a: no softmax
+    assert torch.equal(sketch_score(qp, *args, kernel="dp4a"), sketch_score_dp4a(qp, *args))   # dp4a softmax: asked
     sum_args = (packed, scale, tables, lens, 4, 8, 112, True, "sum")
     assert torch.equal(sketch_score(qp, *sum_args), sketch_score_dp4a(qp, *sum_args))   # auto: sum in integers
     packed, scale, tables, lens = _paged_sketch([37, 100], Hkv=2, r=16, bs=16, seed=2)

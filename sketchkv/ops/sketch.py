@@ -451,9 +451,10 @@ def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, rec
     Tiles: bpp 1-2 x 2-4 warps within 6% of each other for sum, larger ones slower (run 87).
     Same meaning as sketch_score_ref on the dequantised query codes * scale, up to fp32 rounding. unpack: "asm"
     (PTX dp4a on int32 words, CUDA only), "ops" (the same integers with Triton ops: the interpreter's path),
-    "auto" = asm on CUDA. softmax is not offered (its per-head scores go the tensor-core way: sketch_score_dot)."""
-    if combine not in ("sum", "max"):
-        raise ValueError(f"sketch_score_dp4a scores sum or max, got {combine!r}")
+    "auto" = asm on CUDA. softmax: every head's score stored in fp16 and finished by the dot kernel's passes
+    (per-head totals, combine; see _launch_score): NOT yet measured on a GPU, so auto keeps the dot kernel for it."""
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     if unpack not in ("auto", "asm", "ops"):
         raise ValueError(f"unpack must be auto, asm or ops, got {unpack!r}")
     qp = _as_groups(qp)
@@ -461,8 +462,8 @@ def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, rec
         "rank must be a multiple of 8 with rank / 2 a power of two (4-byte words)"
     # the kernel reads each query head's words through the query's batch / KV head / group strides; R = the rank
     return _launch_score(_sketch_score_dp4a_kernel, query_words(qp), sketch, scale, block_tables, seq_lens, sinks,
-                         recent, max_len, shared, combine, sm_scale, bpp, num_warps, 1, rank=qp.shape[-1],
-                         HKVP=triton.next_power_of_2(qp.shape[1]),
+                         recent, max_len, shared, combine, sm_scale, bpp, num_warps, 1, store_heads=True,
+                         rank=qp.shape[-1], HKVP=triton.next_power_of_2(qp.shape[1]),
                          ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda
                                                  and isinstance(_sketch_score_dp4a_kernel, triton.runtime.JITFunction)))
 
@@ -500,7 +501,7 @@ if triton is not None:
         # row's query words come from L1 (query_words: R/4 + 2 int32 per head).
         # Looping over the KV heads with [TOK] vectors instead moved each head's pointers and scores through shared
         # memory (Triton layout conversions): 96 against 78 us per 27B layer (H200 run 87). MODE 0: sum over
-        # heads, 1: max (the launcher's modes; lse_ptr, qk_scale, GP, y_ptr unused). ASM: a row's R/2 bytes load
+        # heads, 1: max, 4: softmax's stored head scores (y_ptr, qk_scale; the launcher's modes). ASM: a row's R/2 bytes load
         # as R/8 int32 words; per word the low nibbles (even dims) and the high ones (odd dims) are masked in
         # place and each dp4a'd against 4 codes of the matching dims. Otherwise: the same integers, byte by byte.
         H2: tl.constexpr = R // 2
@@ -551,9 +552,16 @@ if triton is not None:
                 co = tl.reshape((wo[:, :, None] << up) >> 24, (ROWS, H2))
                 dots = tl.sum(lo * ce + hi * co, 1)
             s = (dots - 8 * csum).to(tl.float32) * (sc * qs)
-            hs = hs + s if MODE == 0 else tl.maximum(hs, s)
+            if MODE == 4:   # softmax: the head's score in log2 units, fp16, head-major, as the dot kernel's MODE 4
+                x = tl.minimum(tl.where(valid, s * qk_scale, float("-inf")), 65000.0)
+                tl.store(y_ptr + b.to(tl.int64) * stride_yb + (hq * G + g) * max_len + t, x.to(tl.float16),
+                         mask=(t < max_len) & real)
+            else:
+                hs = hs + s if MODE == 0 else tl.maximum(hs, s)
         hs = tl.where(valid, hs, float("-inf"))
-        if SHARED:   # padding rows add nothing (a token's rows are all valid or all not)
+        if MODE == 4:
+            pass
+        elif SHARED:   # padding rows add nothing (a token's rows are all valid or all not)
             h2 = tl.reshape(tl.where(real, hs, 0.0 if MODE == 0 else float("-inf")), (TOK, HKVP))
             acc = tl.sum(h2, 1) if MODE == 0 else tl.max(h2, 1)
             tt = pid * TOK + tl.arange(0, TOK)
@@ -776,8 +784,8 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
                  shared: bool = True, combine: str = "sum", sm_scale: float = 1.0,
                  kernel: str = "auto") -> torch.Tensor:
     """kernel: "fma" (CUDA-core dots, fp32), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
-    take "fma": tl.dot needs r/2 >= 16), "dp4a" (sum / max in integers with int8 query codes,
-    sketch_score_dp4a; softmax takes "dot") or "auto": the faster one measured on an H200 at 8 x 250K, one layer
+    take "fma": tl.dot needs r/2 >= 16), "dp4a" (integer dot products with int8 query codes, sketch_score_dp4a;
+    its softmax is not yet measured on a GPU) or "auto": the faster one measured on an H200 at 8 x 250K, one layer
     of the 27B shape (runs 17, 29, 33, 48, 83-87, benchmarks/bench_sketch_score.py): dp4a for sum (78 us, 79% of
     the copy bandwidth, against fma's 119 and dot's 156) and for max (159 against fma's 311), dot for softmax (244 us
     with stored head scores, 519 scoring twice, 1,101 on CUDA cores: 24 per-head dots per token; 240 / 508 us
@@ -789,7 +797,7 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     if kernel == "auto":
         kernel = {"softmax": "dot", "sum": "dp4a", "max": "dp4a"}[combine]
     if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        if kernel == "dp4a" and combine != "softmax" and qp.shape[-1] % 8 == 0:
+        if kernel == "dp4a" and qp.shape[-1] % 8 == 0:
             return sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                      combine, sm_scale)
         if kernel in ("dot", "dp4a") and qp.shape[-1] % 32 == 0:
