@@ -501,9 +501,10 @@ if triton is not None:
         # row's query words come from L1 (query_words: R/4 + 2 int32 per head).
         # Looping over the KV heads with [TOK] vectors instead moved each head's pointers and scores through shared
         # memory (Triton layout conversions): 96 against 78 us per 27B layer (H200 run 87). MODE 0: sum over
-        # heads, 1: max, 4: softmax's stored head scores (y_ptr, qk_scale; the launcher's modes). ASM: a row's R/2 bytes load
-        # as R/8 int32 words; per word the low nibbles (even dims) and the high ones (odd dims) are masked in
-        # place and each dp4a'd against 4 codes of the matching dims. Otherwise: the same integers, byte by byte.
+        # heads, 1: max, 4: softmax's stored head scores (y_ptr, qk_scale; the launcher's modes). ASM: a row's R/2
+        # bytes load as R/8 int32 words; per word the low nibbles (even dims) and the high ones (odd dims) are
+        # masked in place and each dp4a'd against 4 codes of the matching dims. Otherwise: the same integers, byte
+        # by byte.
         H2: tl.constexpr = R // 2
         W: tl.constexpr = R // 8
         TOK: tl.constexpr = BPP * BS
@@ -536,18 +537,16 @@ if triton is not None:
             qrow = qp_ptr + b * stride_qb + hq * stride_qh + g * stride_qg                      # [ROWS]
             csum = tl.load(qrow + 2 * W)
             qs = tl.load(qrow + 2 * W + 1).to(tl.float32, bitcast=True)
+            we = tl.load(qrow[:, None] + tl.arange(0, W)[None, :])           # [ROWS, W]: even dims' codes
+            wo = tl.load(qrow[:, None] + W + tl.arange(0, W)[None, :])       # odd dims'
             if ASM:
-                we = tl.load(qrow[:, None] + tl.arange(0, W)[None, :])
-                wo = tl.load(qrow[:, None] + W + tl.arange(0, W)[None, :])
                 d = tl.inline_asm_elementwise(
                     "{ .reg .b32 a, b; and.b32 a, $1, 0x0F0F0F0F; shr.u32 b, $1, 4; and.b32 b, b, 0x0F0F0F0F; "
                     "dp4a.u32.s32 $0, a, $2, 0; dp4a.u32.s32 $0, b, $3, $0; }",
                     "=r,r,r,r", [words, we, wo], dtype=tl.int32, is_pure=True, pack=1)
                 dots = tl.sum(d, 1)
             else:
-                up = (24 - tl.arange(0, 4) * 8)[None, None, :]
-                we = tl.load(qrow[:, None] + tl.arange(0, W)[None, :])
-                wo = tl.load(qrow[:, None] + W + tl.arange(0, W)[None, :])
+                up = (24 - tl.arange(0, 4) * 8)[None, None, :]   # the words' signed bytes back as codes
                 ce = tl.reshape((we[:, :, None] << up) >> 24, (ROWS, H2))
                 co = tl.reshape((wo[:, :, None] << up) >> 24, (ROWS, H2))
                 dots = tl.sum(lo * ce + hi * co, 1)
@@ -558,16 +557,15 @@ if triton is not None:
                          mask=(t < max_len) & real)
             else:
                 hs = hs + s if MODE == 0 else tl.maximum(hs, s)
-        hs = tl.where(valid, hs, float("-inf"))
-        if MODE == 4:
-            pass
-        elif SHARED:   # padding rows add nothing (a token's rows are all valid or all not)
-            h2 = tl.reshape(tl.where(real, hs, 0.0 if MODE == 0 else float("-inf")), (TOK, HKVP))
-            acc = tl.sum(h2, 1) if MODE == 0 else tl.max(h2, 1)
-            tt = pid * TOK + tl.arange(0, TOK)
-            tl.store(out_ptr + b * stride_ob + tt, acc, mask=tt < max_len)
-        else:
-            tl.store(out_ptr + b * stride_ob + hh * stride_oh + t, hs, mask=(t < max_len) & real)
+        if MODE != 4:
+            hs = tl.where(valid, hs, float("-inf"))
+            if SHARED:   # padding rows add nothing (a token's rows are all valid or all not)
+                h2 = tl.reshape(tl.where(real, hs, 0.0 if MODE == 0 else float("-inf")), (TOK, HKVP))
+                acc = tl.sum(h2, 1) if MODE == 0 else tl.max(h2, 1)
+                tt = pid * TOK + tl.arange(0, TOK)
+                tl.store(out_ptr + b * stride_ob + tt, acc, mask=tt < max_len)
+            else:
+                tl.store(out_ptr + b * stride_ob + hh * stride_oh + t, hs, mask=(t < max_len) & real)
 
 
 if triton is not None:
