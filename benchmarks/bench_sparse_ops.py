@@ -104,23 +104,23 @@ def main():
     # differences, top-k set overlap with the fma kernel's picks, and a small (blocks per program, warps) sweep.
     # (The auto scores above are the integer kernel's for sum and the dot kernel's for softmax.)
     sm_ = D ** -0.5
-    s = sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len, kernel="fma")
-    s_sm = sketch_score(qph, sk, sc, tables, lens, a.sinks, a.recent, max_len, True, "softmax", sm_, kernel="fma")
+    s_f = sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len, kernel="fma")
+    s_sm_f = sketch_score(qph, sk, sc, tables, lens, a.sinks, a.recent, max_len, True, "softmax", sm_, kernel="fma")
 
     def overlap(x, y):  # fraction of x's top-k positions also in y's
         px, py = topk_positions(x, a.top_k, -1), topk_positions(y, a.top_k, -1)
         return min(torch.isin(px[b], py[b]).float().mean().item() for b in range(B))
     s_dot = sketch_score_dot(qp, sk, sc, tables, lens, a.sinks, a.recent, max_len)
     s_sm_dot = sketch_score_dot(qph, sk, sc, tables, lens, a.sinks, a.recent, max_len, True, "softmax", sm_)
-    rows["dot_inf_pattern_equal_fma"] = bool(torch.equal(torch.isinf(s_dot), torch.isinf(s))
-                                             and torch.equal(torch.isinf(s_sm_dot), torch.isinf(s_sm)))
-    fin_all = torch.isfinite(s)
-    rows["dot_sum_max_abs_diff_vs_fma"] = (s_dot - s)[fin_all].abs().max().item()
+    rows["dot_inf_pattern_equal_fma"] = bool(torch.equal(torch.isinf(s_dot), torch.isinf(s_f))
+                                             and torch.equal(torch.isinf(s_sm_dot), torch.isinf(s_sm_f)))
+    fin_all = torch.isfinite(s_f)
+    rows["dot_sum_max_abs_diff_vs_fma"] = (s_dot - s_f)[fin_all].abs().max().item()
     rows["dot_sum_max_abs_err_vs_ref"] = (s_dot[:1][fin] - s_ref[fin]).abs().max().item()
-    rows["dot_softmax_max_abs_diff_vs_fma"] = (s_sm_dot - s_sm)[fin_all].abs().max().item()
+    rows["dot_softmax_max_abs_diff_vs_fma"] = (s_sm_dot - s_sm_f)[fin_all].abs().max().item()
     rows["dot_softmax_max_abs_err_vs_ref"] = (s_sm_dot[:1][fin] - s_sm_ref[fin]).abs().max().item()
-    rows["dot_sum_topk_overlap_with_fma"] = overlap(s, s_dot)           # min over sequences
-    rows["dot_softmax_topk_overlap_with_fma"] = overlap(s_sm, s_sm_dot)
+    rows["dot_sum_topk_overlap_with_fma"] = overlap(s_f, s_dot)           # min over sequences
+    rows["dot_softmax_topk_overlap_with_fma"] = overlap(s_sm_f, s_sm_dot)
     rows["sketch_score_fma_us"] = bench(lambda: sketch_score(qp, sk, sc, tables, lens, a.sinks, a.recent,
                                                              max_len, kernel="fma")) * 1e6
     rows["sketch_score_dot_us"] = bench(lambda: sketch_score_dot(qp, sk, sc, tables, lens, a.sinks, a.recent,

@@ -328,7 +328,7 @@ SOFTMAX_SCRATCH_BYTES = 128 << 20   # stored head scores of one launch; larger b
 def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
                   sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES,
                   rank: int | None = None, **consts):
-    """Shared launcher of the two scoring kernels (same arguments and modes). softmax, two passes over the
+    """Shared launcher of the scoring kernels (same arguments and modes). softmax, two passes over the
     sketch: pass 1 (per-program partial log-sum-exp per query head; torch combines them over programs), then
     pass 2: the sketch scored again. softmax with store_heads (dot kernel): the sketch scored once, every head's
     score stored in fp16 ([rows, Hq, max_len]: 48 B per token at 24 heads, against the 136 B of sketch and
@@ -440,7 +440,7 @@ def query_words(qp: torch.Tensor) -> torch.Tensor:
 def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                       shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 1,
                       num_warps: int = 4, unpack: str = "auto") -> torch.Tensor:
-    """sum / max scoring in integers: each query head quantised to int8 (query_words: once per call, one small
+    """Scoring in integers: each query head quantised to int8 (query_words: once per call, one small
     launch), every 4 sketch bytes (8 nibbles) against it in two dp4a instructions (4 byte products summed into an
     int32 each), exact; the score is (sum_r q8_r u_r - 8 sum_r q8_r) * scale_t * scale_q with u = v + 8 the stored
     nibble. The fp32 CUDA-core kernel spends ~8 instructions per sketch byte (it issues at 75% of the SMs' peak
