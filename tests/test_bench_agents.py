@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from sketchkv.bench.agents import (argv_without, engine_knobs, goals, host_rows, label, parse_agents, parse_tokens,
-                                   point_command, row_head_combine, row_host_rows)
+from sketchkv.bench.agents import (argv_without, distinct_knobs, engine_knobs, goals, host_rows, label, parse_agents,
+                                   parse_tokens, point_command, row_head_combine, row_host_rows)
 from sketchkv.cli import build_parser
 from sketchkv.cli import main as cli_main
 from sketchkv.config import default_model
@@ -207,6 +207,17 @@ def test_point_flags():
     assert label("sparse", host_rows("k8v4", False)) == "sketchkv sparse + host tier (k8v4 rows)"
     assert label("sparse", host_rows("int4", True), "sum") == (
         "sketchkv sparse + host tier (int4 residual-key rows, sum combine)")
+    # a merged report names the knobs that tell its sparse rows apart (not those every row shares, nor those the
+    # label says in words)
+    cmds = ["sketchkv bench agents --sparse-top-k 128 --sparse-head-combine sum --sparse-hot-fraction 0.1",
+            "sketchkv bench agents --sparse-top-k 128 --no-sparse-admit-stream --sparse-prefill-selection chunk"]
+    knobs = distinct_knobs(cmds)
+    assert knobs == [(("--sparse-hot-fraction", "0.1"),), (("--no-sparse-admit-stream", ""),)]
+    assert label("sparse", "int4", "sum", knobs[0]) == (
+        "sketchkv sparse + host tier (int4 rows, sum combine, --sparse-hot-fraction 0.1)")
+    assert label("sparse", "int4", "softmax", knobs[1]) == (
+        "sketchkv sparse + host tier (int4 rows, --no-sparse-admit-stream)")
+    assert label("dense", "int4", "sum", knobs[0]) == "sketchkv dense"
     # a saved row's combine: its file's, else its command's flag (files before session 23), else the default
     assert row_head_combine({"sparse": {"head_combine": "max"}}, {"command": ""}) == "max"
     assert row_head_combine({"sparse": {}}, {"command": "sketchkv bench agents --sparse-head-combine sum"}) == "sum"
@@ -262,6 +273,25 @@ def test_kernel_kinds_of_the_gpu_breakdown():
     assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "index / gather (torch)"
     assert kernel_kind("_host_gather_kernel") == "host gather (PCIe)"
     assert kernel_kind("something new") == "other"
+
+
+def test_stream_accounting_of_the_gpu_breakdown():
+    """Per-stream busy time is the union of its kernels' intervals (overlaps counted once), streams sorted busiest
+    first; the GPU's busy time is the union over all streams; the table shows the main stream's waiting time."""
+    from sketchkv.bench.agents import _streams_table
+    from sketchkv.bench.breakdown import busy_us, stream_times
+    assert busy_us([]) == 0.0
+    assert busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17.0
+    # two steps: main stream 7 (two steps: 2 x (10 + 4) us of kernels), side stream 9, overlapping the main one
+    spans = [(7, 0, 10), (7, 12, 16), (9, 5, 14), (7, 100, 110), (7, 112, 116), (9, 105, 114)]
+    st = stream_times(spans, steps=2)
+    assert st["stream_ms"] == [0.014, 0.009] and st["stream_kernels"] == [2.0, 1.0]
+    assert abs(st["gpu_busy_ms"] - 0.016) < 1e-12
+    row = {"label": "x", "agents": 2, "context": 2048, "command": "c",
+           "breakdown": {"graph_step_ms": 0.020, **st}}
+    line = _streams_table([row], {"c": 1})[-1]
+    assert line == "| x | 2 x 2K | 0.02 | 0.01 (2) | 0.01 (1) | 0.02 | 0.01 | [1] |"
+    assert _streams_table([], {}) == []
 
 
 def test_speculative_rows_measure_verification_steps(tmp_path):

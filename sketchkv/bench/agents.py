@@ -63,13 +63,24 @@ SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "s
 LONG = 240_000  # "250K-class" contexts for the goal checks
 
 
-def label(config: str, host_format: str, head_combine: str = "softmax") -> str:
-    """A row's name in the reports: the sparse rows name their host format and a head combine other than the
-    default (runs with other knobs merge)."""
+LABEL_KNOBS = ("--sparse-host-format", "--sparse-head-combine", "--sparse-prefill-selection",
+               "--sparse-host-residual-keys", "--no-sparse-host-residual-keys")   # named in words, or always spelled out
+
+
+def label(config: str, host_format: str, head_combine: str = "softmax", knobs: tuple = ()) -> str:
+    """A row's name in the reports: the sparse rows name their host format, a head combine other than the
+    default, and `knobs` ((flag, value) pairs: a merged report's knobs that differ between its sparse rows)."""
     if config != "sparse":
         return LABELS[config]
     combine = "" if head_combine == "softmax" else f", {head_combine} combine"
-    return LABELS[config] + f" ({host_format} rows{combine})"
+    return LABELS[config] + f" ({host_format} rows{combine}" + "".join(f", {a} {b}".rstrip() for a, b in knobs) + ")"
+
+
+def distinct_knobs(commands: list[str]) -> list[tuple]:
+    """Per command, its engine knobs that not every command shares (and the label does not already name)."""
+    sets = [[k for k in engine_knobs(c) if k[0].split("=")[0] not in LABEL_KNOBS] for c in commands]
+    common = set.intersection(*map(set, sets)) if sets else set()
+    return [tuple(k for k in ks if k not in common) for ks in sets]
 
 
 def host_rows(fmt: str, residual_keys: bool) -> str:
@@ -648,11 +659,11 @@ def run(args, name: str, write: bool = True) -> dict:
                 if a == "max" and cfgname != "sparse":
                     n = caps[(cfgname, L)]["max_agents"]
                 points.append((L, a, n))
-        row0 = lambda L, a, n: {"config": cfgname, "label": label(cfgname, rows_name, sp.head_combine),  # noqa: E731
-                                "agents": n, "agents_arg": a, "context": L,
-                                "command": point_command(argv, cfgname, n if a != "max" else "max", L,
-                                                         *((prefill_selection, residual_keys) if cfgname == "sparse"
-                                                           else ()))}
+        def row0(L, a, n):
+            cmd = point_command(argv, cfgname, n if a != "max" else "max", L,
+                                *((prefill_selection, residual_keys) if cfgname == "sparse" else ()))
+            return {"config": cfgname, "label": label(cfgname, rows_name, sp.head_combine),
+                    "agents": n, "agents_arg": a, "context": L, "command": cmd}
         runnable, llm, hf = [], None, None
         for L, a, n in points:
             cap = caps[(cfgname, L)]
@@ -798,12 +809,17 @@ def merge(paths: list[str], out_dir: str, name: str) -> dict:
             parts.append(json.load(f))
     merged = dict(parts[0])
     merged.pop("partial", None)
-    rows = {}  # a point measured twice with the same engine knobs: the later file's row
+    rows = {}  # a point measured twice with the same engine knobs: the later file's row (and its file)
     for part in parts:
         for row in part["rows"]:
             key = (row["config"], row["agents"], row["context"], engine_knobs(row.get("command", "")))
             rows.pop(key, None)
-            rows[key] = {**row, "label": label(row["config"], row_host_rows(part, row), row_head_combine(part, row))}
+            rows[key] = (row, part)
+    sparse = {key: row.get("command", "") for key, (row, _) in rows.items() if row["config"] == "sparse"}
+    knobs = dict(zip(sparse, distinct_knobs(list(sparse.values()))))   # what tells the sparse rows apart
+    rows = {key: {**row, "label": label(row["config"], row_host_rows(part, row), row_head_combine(part, row),
+                                        knobs.get(key, ()))}
+            for key, (row, part) in rows.items()}
     merged["rows"] = list(rows.values())
     dp = {}  # data-parallel points likewise, keyed by their replica count too
     for part in parts:
@@ -851,6 +867,25 @@ def _breakdown_table(rows, cols, title: str, note: str, sum_label: str, ref: dic
                    + " | ".join(f"{bd['ms'].get(k, 0.0):.2f}" for k in cols)
                    + f" | {bd['total_ms']:.2f} | {bd['graph_step_ms']:.2f} |"
                    + (f" {bd['kernels_per_step']:.0f} |" if counted else "") + f" [{ref[row['command']]}] |")
+    return out
+
+
+def _streams_table(rows, ref: dict) -> list[str]:
+    """Markdown lines: where the graph step's time goes by CUDA stream (breakdown.stream_times)."""
+    if not rows:
+        return []
+    out = ["", "Streams: the step's own (main) stream runs the layers in order; side streams (the tier's admits and "
+           "host writes) overlap it. Main stream waiting = graph step - its busy time: gaps between dependent kernels "
+           "and the join on the side streams at the step's end.", "",
+           "| config | agents x context | graph step ms | main stream busy ms (kernels) | side streams busy ms | "
+           "GPU busy ms (any stream) | main stream waiting ms | cmd |", "|" + "---|" * 8]
+    for row in rows:
+        bd = row["breakdown"]
+        main, side = bd["stream_ms"][0], sum(bd["stream_ms"][1:])
+        ks = bd["stream_kernels"]
+        out.append(f"| {row['label']} | {row['agents']} x {C.fmt_len(row['context'])} | {bd['graph_step_ms']:.2f} | "
+                   f"{main:.2f} ({ks[0]:.0f}) | {side:.2f} ({sum(ks[1:]):.0f}) | {bd['gpu_busy_ms']:.2f} | "
+                   f"{bd['graph_step_ms'] - main:.2f} | [{ref[row['command']]}] |")
     return out
 
 
@@ -917,7 +952,9 @@ def markdown(r: dict, png: str) -> str:
         kinds = list(dict.fromkeys(k for row in kbds for k in row["breakdown"]["ms"]))
         L += _breakdown_table(kbds, kinds, "Step time by kernel kind (CUDA-graph steps; ms per step)",
                               "GPU time of every kernel a step runs, summed by kind (`sketchkv/bench/breakdown.py`, "
-                              "KERNEL_KINDS). Kernel sum < graph step: gaps between kernels.", "kernel sum", ref)
+                              "KERNEL_KINDS). The kernel sum counts the side streams' overlapped kernels too; the streams table "
+                              "below splits the graph step (without it: kernel sum < graph step = gaps between kernels).", "kernel sum", ref)
+        L += _streams_table([row for row in kbds if "stream_ms" in row["breakdown"]], ref)
         big = kbds[-1]
         L += ["", f"Top kernels of {big['label']}, {big['agents']} x {C.fmt_len(big['context'])} (per step; all in the JSON):", "",
               "| kernel | kind | calls | us |", "|---|---|---|---|"]
@@ -976,15 +1013,15 @@ def plot(r: dict, path: str) -> None:
 
     for ax, (xkey, gkey, xlabel) in zip(axes, (("agents", "context", "agents"), ("context", "agents", "context (tokens)"))):
         groups = {}
-        for row in ok:
-            groups.setdefault((row["config"], row[gkey]), []).append(row)
+        for row in ok:   # one series per row label: a point measured with other engine knobs is a series of its own
+            groups.setdefault((row.get("label", row["config"]).removeprefix("sketchkv "), row[gkey]), []).append(row)
         for (cfg, g), rows in sorted(groups.items()):
             rows = sorted(rows, key=lambda x: x[xkey])
             xs = [x[xkey] for x in rows]
             lab = f"{cfg} @ {C.fmt_len(g) if gkey == 'context' else str(g) + ' agents'}"
             c = color((cfg, g))
             ax.plot(xs, [x["decode"]["tok_s"] for x in rows], "o-", color=c, label=lab)
-            ax.plot(xs, [x["floor"]["tok_s"] for x in rows], "--", color=c, alpha=0.6, label=f"{lab}: floor")
+            ax.plot(xs, [x["floor"]["tok_s"] for x in rows], "x--", color=c, alpha=0.6, label=f"{lab}: floor")  # x: a lone point shows
         ax.set_xlabel(xlabel)
         ax.set_ylabel("combined decode tok/s")
         ax.set_yscale("log")
@@ -992,8 +1029,8 @@ def plot(r: dict, path: str) -> None:
             ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0].set_title("tok/s vs agents (dashed: bytes-moved floor)")
-    axes[1].set_title("tok/s vs context (dashed: bytes-moved floor)")
+    axes[0].set_title("tok/s vs agents (x, dashed: bytes-moved floor)")
+    axes[1].set_title("tok/s vs context (x, dashed: bytes-moved floor)")
     runs = [src["command"] for src in r["sources"]] if r.get("sources") else [r["info"]["command"]]
     text = "reproduce: " + "  |  ".join(f"[{chr(97 + i)}] {c}" for i, c in enumerate(runs))
     import textwrap

@@ -146,7 +146,7 @@ def profile_kernels(engine, steps: int, top: int = 300) -> dict:
             engine.step()
             done += 1
         torch.cuda.synchronize()
-    per = {}
+    per, spans = {}, []
     for ev in prof.events():
         # record_function ranges (llm_engine.step's phases) show up on the GPU timeline too: not kernels
         if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(ev, "is_user_annotation", False) \
@@ -155,15 +155,40 @@ def profile_kernels(engine, steps: int, top: int = 300) -> dict:
         t = ev.time_range.elapsed_us()
         c, u = per.get(ev.name, (0, 0.0))
         per[ev.name] = (c + 1, u + t)
+        spans.append((ev.device_resource_id, ev.time_range.start, ev.time_range.end))
     n = max(1, done)
+    streams = stream_times(spans, n)
     kernels = sorted(({"name": k[:120], "kind": kernel_kind(k), "calls": c / n, "us": u / n}
                       for k, (c, u) in per.items()), key=lambda r: -r["us"])
     ms: dict[str, float] = {}
     for r in kernels:
         ms[r["kind"]] = ms.get(r["kind"], 0.0) + r["us"] / 1e3
     return {"ms": dict(sorted(ms.items(), key=lambda kv: -kv[1])), "total_ms": sum(ms.values()), "steps": done,
-            "kernels": kernels[:top], "kernels_per_step": sum(r["calls"] for r in kernels),
+            "kernels": kernels[:top], "kernels_per_step": sum(r["calls"] for r in kernels), **streams,
             "method": "torch.profiler kernel times over CUDA-graph decode steps"}
+
+
+def busy_us(spans) -> float:
+    """Length of the union of (start, end) intervals: time at least one of them runs."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def stream_times(spans, steps: int) -> dict:
+    """spans [(stream, start us, end us)] of every GPU kernel over `steps` steps -> per step: each stream's busy
+    ms (most first: the step's own stream, then the side streams whose work overlaps it) and the GPU's busy ms
+    (any stream running). A graph step minus its main stream's busy time is the time that stream waits: launch
+    gaps between dependent kernels, and joins on the side streams."""
+    by = {}
+    for s, a, b in spans:
+        by.setdefault(s, []).append((a, b))
+    per = sorted(((busy_us(v) / steps / 1e3, len(v) / steps) for v in by.values()), reverse=True)
+    return {"stream_ms": [round(ms, 4) for ms, _ in per], "stream_kernels": [round(k, 1) for _, k in per],
+            "gpu_busy_ms": busy_us([(a, b) for _, a, b in spans]) / steps / 1e3}
 
 
 def measure(engine, steps: int) -> dict:

@@ -452,7 +452,8 @@ def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, rec
     Same meaning as sketch_score_ref on the dequantised query codes * scale, up to fp32 rounding. unpack: "asm"
     (PTX dp4a on int32 words, CUDA only), "ops" (the same integers with Triton ops: the interpreter's path),
     "auto" = asm on CUDA. softmax: every head's score stored in fp16 and finished by the dot kernel's passes
-    (per-head totals, combine; see _launch_score): NOT yet measured on a GPU, so auto keeps the dot kernel for it."""
+    (per-head totals, combine; see _launch_score): 254 us against the dot kernel's 242 (H200 run 92: the stored
+    head scores and the extra passes cost what the integers save), so auto keeps the dot kernel for it."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     if unpack not in ("auto", "asm", "ops"):
@@ -783,7 +784,7 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
                  kernel: str = "auto") -> torch.Tensor:
     """kernel: "fma" (CUDA-core dots, fp32), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
     take "fma": tl.dot needs r/2 >= 16), "dp4a" (integer dot products with int8 query codes, sketch_score_dp4a;
-    its softmax is not yet measured on a GPU) or "auto": the faster one measured on an H200 at 8 x 250K, one layer
+    its softmax: 254 us against dot's 242, run 92) or "auto": the faster one measured on an H200 at 8 x 250K, one layer
     of the 27B shape (runs 17, 29, 33, 48, 83-87, benchmarks/bench_sketch_score.py): dp4a for sum (78 us, 79% of
     the copy bandwidth, against fma's 119 and dot's 156) and for max (159 against fma's 311), dot for softmax (244 us
     with stored head scores, 519 scoring twice, 1,101 on CUDA cores: 24 per-head dots per token; 240 / 508 us

@@ -1,0 +1,1 @@
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc; timeout 150 python3 -m sketchkv bench agents --out-dir $OUT --breakdown --model random:qwen3.5-27b --configs sparse --agents 8 --contexts 250K --fill random --sparse-head-combine sum --name a8-sum > $OUT/a8-sum.txt 2>&1; echo rc $?; rm -f $OUT/*.png $OUT/*.md; grep -E "decode .* tok/s" $OUT/a8-sum.txt
