@@ -21,6 +21,7 @@ import triton.language as tl
 
 sys.path.insert(0, ".")
 from benchmarks.bench_sparse_ops import graphed  # noqa: E402
+from benchmarks.bench_weight_gemms import replay_us  # noqa: E402
 
 
 @triton.jit
@@ -37,18 +38,6 @@ def _axpb_kernel(x_ptr, y_ptr, n, a, PDL: tl.constexpr, BLOCK: tl.constexpr):
 def axpb(x, y, a: float, pdl: bool):
     n = x.numel()
     _axpb_kernel[(triton.cdiv(n, 1024),)](x, y, n, a, PDL=pdl, BLOCK=1024, launch_pdl=pdl)
-
-
-def replay_us(replay, reps: int = 20) -> float:
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-        e0.record()
-        replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return sorted(ts)[reps // 2]
 
 
 def main():

@@ -39,9 +39,8 @@ def step_weights(cfg) -> dict[str, tuple[int, int, int]]:
     return {k: v for k, v in w.items() if v[2]}
 
 
-def time_us(fn, inner: int, reps: int = 20) -> float:
-    """Median over `reps` replays of a graph of `inner` calls of fn, per call."""
-    replay = graphed(lambda: [fn() for _ in range(inner)])
+def replay_us(replay, reps: int = 20) -> float:
+    """Median time of `reps` calls of replay (a CUDA graph's replay), in us."""
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
@@ -49,8 +48,13 @@ def time_us(fn, inner: int, reps: int = 20) -> float:
         replay()
         e1.record()
         torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / inner)
+        ts.append(e0.elapsed_time(e1) * 1e3)
     return sorted(ts)[reps // 2]
+
+
+def time_us(fn, inner: int) -> float:
+    """Per call of fn, replayed from a CUDA graph of `inner` calls."""
+    return replay_us(graphed(lambda: [fn() for _ in range(inner)])) / inner
 
 
 def main():
