@@ -22,6 +22,7 @@ import triton.language as tl
 sys.path.insert(0, ".")
 from benchmarks.bench_sparse_ops import graphed  # noqa: E402
 from benchmarks.bench_weight_gemms import replay_us  # noqa: E402
+from sketchkv.bench.floor import hbm_bandwidth  # noqa: E402
 
 
 @triton.jit
@@ -81,9 +82,7 @@ def main():
             print(f"{name:5s} pdl={pdl!s:5s} {n:5d} steps: {us:9.1f} us, {us / n:6.2f} us per step, rel err {err:.1e}",
                   flush=True)
     gemm_bytes = 5120 * 5120 * 2
-    copy = torch.empty(2**30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(copy)
-    bw = 2 * copy.numel() / (replay_us(graphed(lambda: dst.copy_(copy))) / 1e6)
+    bw = hbm_bandwidth(torch.device(dev), 1.0)
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s: one GEMM's weight reads in {gemm_bytes / bw * 1e6:.1f} us")
     print("| chain | us per step, no PDL | with PDL | saved per boundary |\n|---|---|---|---|")
     for name, per in (("tiny", 1), ("gemm", 2)):

@@ -6,8 +6,8 @@ same run): what the step's largest part could take if nothing ran beside it.
 Each distinct weight of a dense hybrid preset (the engine's fused projections: attention q+gate/k/v, o_proj,
 the GDN input projections, GDN out, MLP gate+up, down, lm_head) is timed as F.linear over `rows` activation rows,
 replayed from a CUDA graph over enough copies of the weight that none stays in L2, under cuBLAS and cuBLASLt, and
-with the weight stored transposed (x @ W^T with W^T contiguous). Per step = calls x time. H200 run 92: 13.1 ms
-for the 27B shape at 8 rows against 12.07 ms of bytes (92%); the engine's own step spends 13.5-14.0 ms in them.
+with the weight stored transposed (x @ W^T with W^T contiguous). Per step = calls x time. H200 run 93: 13.09 ms
+for the 27B shape at 8 rows against 12.36 ms of bytes (94%); the engine's own step spends 13.5-14.0 ms in them.
 """
 import argparse
 import json

@@ -952,8 +952,9 @@ def markdown(r: dict, png: str) -> str:
         kinds = list(dict.fromkeys(k for row in kbds for k in row["breakdown"]["ms"]))
         L += _breakdown_table(kbds, kinds, "Step time by kernel kind (CUDA-graph steps; ms per step)",
                               "GPU time of every kernel a step runs, summed by kind (`sketchkv/bench/breakdown.py`, "
-                              "KERNEL_KINDS). The kernel sum counts the side streams' overlapped kernels too; the streams table "
-                              "below splits the graph step (without it: kernel sum < graph step = gaps between kernels).", "kernel sum", ref)
+                              "KERNEL_KINDS). The kernel sum counts the side streams' overlapped kernels too; the "
+                              "streams table below splits the graph step (without it: kernel sum < graph step = gaps "
+                              "between kernels).", "kernel sum", ref)
         L += _streams_table([row for row in kbds if "stream_ms" in row["breakdown"]], ref)
         big = kbds[-1]
         L += ["", f"Top kernels of {big['label']}, {big['agents']} x {C.fmt_len(big['context'])} (per step; all in the JSON):", "",
@@ -1021,7 +1022,8 @@ def plot(r: dict, path: str) -> None:
             lab = f"{cfg} @ {C.fmt_len(g) if gkey == 'context' else str(g) + ' agents'}"
             c = color((cfg, g))
             ax.plot(xs, [x["decode"]["tok_s"] for x in rows], "o-", color=c, label=lab)
-            ax.plot(xs, [x["floor"]["tok_s"] for x in rows], "x--", color=c, alpha=0.6, label=f"{lab}: floor")  # x: a lone point shows
+            # x markers: a series of one point shows its floor too
+            ax.plot(xs, [x["floor"]["tok_s"] for x in rows], "x--", color=c, alpha=0.6, label=f"{lab}: floor")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("combined decode tok/s")
         ax.set_yscale("log")
