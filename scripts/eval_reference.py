@@ -47,13 +47,13 @@ def load_model(ckpt_dir, device):
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    import train_reference as tr
+    import reference_common as rc
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, info = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=dtype, attn_implementation="sdpa",
                                                        output_loading_info=True)
     model = model.to(device).eval()
     sd = load_file(os.path.join(ckpt_dir, "model.safetensors"))
-    mtp = tr.make_mtp(model.config)
+    mtp = rc.make_mtp(model.config)
     msd = {k[4:]: v.to(dtype) for k, v in sd.items() if k.startswith("mtp.")}
     mtp_missing = None
     if msd:
@@ -93,7 +93,7 @@ def heldout_ppl(model, mtp, ids, nbytes, seq: int, max_tokens: int, device) -> d
     import numpy as np
     import torch
     import torch.nn.functional as F
-    import train_reference as tr
+    import reference_common as rc
     n_win = max(1, min(max_tokens // seq, len(ids) // (seq + 1)))
     if len(ids) < seq + 1:
         seq = len(ids) - 1
@@ -114,7 +114,7 @@ def heldout_ppl(model, mtp, ids, nbytes, seq: int, max_tokens: int, device) -> d
                 nll[c:c + 4096] = F.cross_entropy(lg, y[0, c:c + 4096], reduction="none")
                 pred[c:c + 4096] = lg.argmax(-1)
             if mtp is not None:
-                mlog = tr.mtp_forward(model, mtp, x, h)[0]  # (seq-1, V): predicts y[t+1] = token t+2
+                mlog = rc.mtp_forward(model, mtp, x, h)[0]  # (seq-1, V): predicts y[t+1] = token t+2
                 for c in range(0, seq - 1, 4096):
                     e = min(c + 4096, seq - 1)
                     lg = mlog[c:e].float()
@@ -234,16 +234,16 @@ def recall(model, tok, docs, lengths, samples, n_entries, seed, device, deadline
 def evaluate_and_report(args, ckpt_dir, device, corpus_root=None, eval_command=None, deadline=None) -> dict:
     import torch
     import reference_data as rd
-    import train_reference as tr
+    import reference_common as rc
     t0 = time.time()
     with open(os.path.join(ckpt_dir, "trainer_state.json")) as f:
         state = json.load(f)
     with open(os.path.join(ckpt_dir, "heldout.json")) as f:
         heldout = json.load(f)
-    gdn_info = tr.install_gdn_dispatch()
+    gdn_info = rc.install_gdn_dispatch()
     if device.type == "cuda" and "fla." in gdn_info["torch_chunk_gated_delta_rule"]["cuda"]:
         if getattr(args, "fla_autotune", "lite") == "lite":
-            tr.prune_fla_autotune(getattr(args, "fla_max_configs", 2))
+            rc.prune_fla_autotune(getattr(args, "fla_max_configs", 2))
     tok = rd.load_tokenizer(ckpt_dir)
     nbytes, _ = rd.token_tables(tok)
     model, mtp, load_info = load_model(ckpt_dir, device)
@@ -278,7 +278,7 @@ def evaluate_and_report(args, ckpt_dir, device, corpus_root=None, eval_command=N
         "checkpoint": os.path.relpath(ckpt_dir, REPO) if ckpt_dir.startswith(REPO) else ckpt_dir,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "versions": tr.versions(), "gdn_kernels_eval": dict(tr.GDN_USED), "load_info": load_info,
+        "versions": rc.versions(), "gdn_kernels_eval": dict(rc.GDN_USED), "load_info": load_info,
         "heldout": {"packages": heldout["packages"], "files": len(texts), "chars": len(text), "tokens": int(len(ids)),
                     "corpus_root": root},
         "perplexity": ppl, "recall": rec, "eval_seconds": round(time.time() - t0, 1),
@@ -528,8 +528,12 @@ def main_eval_only(args) -> int:
 
 
 if __name__ == "__main__":
-    import train_reference as tr
+    import reference_common as rc
     argv = sys.argv[1:]
     if argv and not argv[0].startswith("-"):
         argv = ["--eval-only", argv[0]] + argv[1:]
-    sys.exit(tr.main(argv))
+    cli_args = rc.parse_args(argv, __doc__)
+    if not cli_args.eval_only:
+        sys.exit("eval_reference.py: give the checkpoint directory: python scripts/eval_reference.py DIR")
+    rc.setup_env()
+    sys.exit(main_eval_only(cli_args))

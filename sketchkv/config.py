@@ -38,15 +38,17 @@ class SparseConfig:
     sink_tokens: int = field(default=64, metadata={"help": "first tokens always attended"})
     recent_tokens: int = field(default=1024, metadata={"help": "last tokens always attended"})
     dense_threshold: int | None = field(default=None, metadata={"help": "contexts up to this run dense (default: sink+top_k+recent)"})
+    dense_layers: int = field(default=0, metadata={"help": "the first N full-attention layers decode densely (every token, every step; over the host tier they read every row); the others select. SmolLM2-135M's first layer attends almost uniformly (the exact-key top-64 of 2K misses 62% of its attention mass, layers 3-29 ~10%), yet a dense layer 0 cut the KL only 10-14% for 3% more rows read, where raising top-k by the same rows halved it (docs/quality-real-model.md): off by default"})
+    miss_estimate: bool = field(default=False, metadata={"help": "per decode step and layer, estimate from the selection scores the share of the candidates' attention mass the picks miss (SparseAttention.last_miss_estimate, [batch]; a few small kernels per layer). SmolLM2-135M, 2K: Pearson 0.53-0.68 with the true missed mass per layer and step, but ~0 with the step's KL; it ranks configurations, not steps (docs/quality-real-model.md)"})
     shared_selection: bool = field(default=True, metadata={"help": "one pick per layer shared by all KV heads (else per KV head)"})
     head_combine: str = field(default="softmax", metadata={"help": "how the query heads' sketch scores combine into one pick: softmax (sum of per-head softmax probabilities, i.e. estimated attention mass; on the reference model it halves the KL divergence to dense at 128K-256K against sum, H200 run 13; one scoring pass on tensor cores storing every head's score, then per-head totals and a combine: 3.2x the sum's scoring time, ~+4 ms per 27B step at 8 x 250K, H200 runs 33 and 35) | sum (the seed's sum of raw scores; one dot per KV head: the fastest) | max"})
     score_kernel: str = field(default="auto", metadata={"help": "the sketch-scoring kernel on a GPU: auto (the faster one measured on an H200, see sketchkv/ops/sketch.py) | fma (CUDA cores, fp32) | dot (tensor cores) | dp4a (int8 query codes against the nibbles in integer dot products; slower than dot for softmax: 254 vs 242 us per 27B layer at 8 x 250K, H200 run 92)"})
     prefill_selection: str = field(default="auto", metadata={"help": "prompt chunks over a prefix longer than the dense threshold (a follow-up turn, the later chunks of a long prompt): auto (chunk with the host tier, dense without) | dense (attend the whole prefix; over the host tier it is read back in bulk: 4.35 GB per chunk at 250K of the 27B shape) | chunk (one selection per chunk and layer, the chunk's queries scored as extra heads: the chunk attends the sinks, those top-k picks, the recent tokens before it and itself; only those rows move). H200, 27B shape over the tier: follow-up TTFT at 8 x 250K 0.37 s alone, 2.3 s for 7 at once (dense: 0.73 / 9.0 s, run 52); cold 244K prefill 8,185 tok/s (dense: 5,679, run 55). Reference model, KL to dense over 256 decode steps after a whole prompt prefilled this way, 3 documents: 64K 0.0069 vs 0.0057 for sparse decode alone, 128K 0.0267 vs 0.0270, 256K 0.0309 vs 0.0302 (run 54)"})
     verify_selection: str = field(default="per_row", metadata={"help": "speculative verification steps (num_speculative_tokens > 0): per_row (each row, the token and each draft, scores and selects for its own position: greedy output identical to plain decoding; scoring and top-k cost x (1 + n)) | shared (a sequence's first row selects; every row reads those picks, the sinks and all tokens from the first row's recent window up to itself: the selection cost of one row, approximate)"})
     selector: str = field(default="sketch", metadata={"help": "what scores the candidates: sketch (the int4 low-rank key sketch) | exact (every full key: dense cost; the oracle the sketch approximates, for quality evaluation; not with the host tier)"})
-    basis: str | None = field(default=None, metadata={"help": "key basis file (default: MODEL/key_basis.safetensors)"})
+    basis: str | None = field(default=None, metadata={"help": "key basis file (default: MODEL/key_basis.safetensors; for FILE.gguf, FILE.key_basis.safetensors)"})
     host_tier: bool = field(default=False, metadata={"help": "full-attention K/V live in host RAM; the GPU keeps the selector's state (sketch, or on qwen4_exp the QSA block keys), sinks, recent tail and a hot buffer (needs sparse, except on qwen4_exp: its QSA indexer selects)"})
-    host_format: str = field(default="int4", metadata={"help": "host rows: int4 | int8 | bf16 | k8v4 (int8 keys, int4 values) (bytes per token, layer and KV head of 256 dims: 272 / 528 / 1024 / 400; reference model at 64K / 128K, H200 run 57: int8 within the dense noise floor of bf16 in KL and top-1, int4 +0.002 nats/token, 14x that floor; the keys carry that: k8v4 cut it 73-92% at 4K-16K on the CPU)"})
+    host_format: str = field(default="k8v4", metadata={"help": "host rows: k8v4 (int8 keys, int4 values) | int4 | int8 | bf16 (bytes per token, layer and KV head of 256 dims: 400 / 272 / 528 / 1024). Default k8v4 since issue 40: on SmolLM2-135M (stdlib text, 2K / 4K / 8K, same picks, paired on the same tokens) int4 rows (with residual keys) added 3.5x / 2.8x / 1.7x the dense bf16-vs-fp32 floor to the KL, k8v4 0.55x (2K) / 1.1x (8K), int8 0.02-0.2x (docs/quality-real-model.md); reference model at 64K / 128K, H200 run 57: int8 within the floor, int4 +0.002 nats/token"})
     hot_fraction: float = field(default=0.025, metadata={"help": "GPU hot-buffer rows per sequence, as a fraction of its tokens"})
     host_budget_gb: float | None = field(default=None, metadata={"help": "host RAM for the tier (default: half of the available RAM)"})
     tier_kernel: str = field(default="triton", metadata={"help": "the host tier's per-step kernels: triton (fused kernels per layer: the K/V scratch composition, the CLOCK admit and its row copies; H200 run 17, 27B shape at 8 x 250K: ~5,400 instead of ~8,300 kernels per step, the tier's torch index/elementwise time 15.0 -> 5.1 ms) | torch (the PyTorch reference: the same result, ~50 small kernels per layer and step)"})
@@ -73,10 +75,10 @@ def resolved_prefill_selection(sp: SparseConfig) -> str:
 
 @dataclass
 class EngineConfig:
-    model: str = field(default_factory=default_model)
+    model: str = field(default_factory=default_model, metadata={"help": "what to load: a Hugging Face checkpoint directory, a .gguf file, or random:PRESET (random weights of a named shape, for speed runs); default: the bundled reference model"})
     dtype: str = field(default="auto", metadata={"help": "auto: bfloat16 on GPU, float32 on CPU"})
     device: str = field(default="auto", metadata={"help": "auto: cuda if available else cpu"})
-    seed: int = 0
+    seed: int = field(default=0, metadata={"help": "seed of the engine's random state (random:PRESET weights, sampling without a per-request seed)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs for decode"})
     tensor_parallel_size: int = field(default=1, metadata={"help": (
         "shard the model over N devices (attention and Gated DeltaNet heads, MLPs, vocab; all-reduce through "
@@ -135,7 +137,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, skip=("model",)) -> None
 
 def _help(name: str, f) -> str:
     default = f.default if f.default is not dataclasses.MISSING else "(see docs)"
-    return f"{f.metadata.get('help', '')} [default: {default}; env SKETCHKV_{name.upper()}]".strip()
+    text = f"{f.metadata.get('help', '')} [default: {default}; env SKETCHKV_{name.upper()}]".strip()
+    return text.replace("%", "%%")   # argparse %-formats help strings: "62%" would break --help
 
 
 def build_config(args: argparse.Namespace | None = None, **overrides) -> EngineConfig:

@@ -269,3 +269,17 @@ def eager_graphs(monkeypatch):
         runner._capture_graphs()
         return runner
     return capture
+
+
+def last_logits(llm, ids: list[int]) -> torch.Tensor:
+    """Final-position logits of a prompt through the engine (chunked prefill as configured)."""
+    from sketchkv import SamplingParams
+    runner, eng = llm.engine.runner, llm.engine
+    seq = eng.add_request(ids, SamplingParams(max_tokens=1))
+    batch, logits = eng.scheduler.schedule(), None
+    while batch:
+        logits = runner.run(batch, sample_now=False)
+        eng.scheduler.after_step(batch)
+        batch = eng.scheduler.schedule() if seq.num_uncached else []
+    eng.scheduler.finish(seq)
+    return logits[-1]

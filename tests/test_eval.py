@@ -286,3 +286,31 @@ def test_reference_model_sparse_quality_gate(tmp_path):
     dense = rec["configs"]["dense"]["by_length"]["2048"]["lookup"]
     sparse = rec["configs"]["gate"]["by_length"]["2048"]["lookup"]
     assert sparse["lost_vs_dense"] <= GATE_LOST, f"sparse lost {sparse['lost_vs_dense']} of dense's lookups ({dense})"
+
+
+def test_sweep_end_to_end_one_prefill_many_selections(setup):
+    """eval.sweep: the selection configurations replay over one cached prefill (the rank-8 sketch re-made from the
+    cached keys), each scored against the dense reference of the same engine; with k >= context the sparse path is
+    the dense result; the floor, host-tier and prune engines prefill their own copies."""
+    from sketchkv.eval import sweep
+    path, data, root = setup
+    out = str(root / "sweep")
+    r = sweep.main([data, "--model", path, "--basis", f"8={os.path.join(path, 'key_basis.safetensors')}",
+                    "--lengths", "512", "--samples", "1", "--continuation", "8", "--k-fracs", "0.0625", "4",
+                    "--sinks", "4", "--recent", "16", "--tier-formats", "int8", "--tier-rank", "8", "--miss-estimate",
+                    "--only", r"^(floor:chunk|(oracle|sketch8)-shared-k\d+|sketch8-kvhead-k32|prune-snapkv-k32|"
+                              r"tier-int8-r8-k\d+)$", "--out-dir", out])
+    for ext in ("json", "md", "png"):
+        assert os.path.getsize(os.path.join(out, f"sweep.{ext}")) > 0
+    cfg = {n: e["by_length"]["512"] for n, e in r["configs"].items()}
+    assert set(cfg) == {"floor:chunk", "oracle-shared-k32", "oracle-shared-k2048", "sketch8-shared-k32",
+                        "sketch8-shared-k2048", "sketch8-kvhead-k32", "prune-snapkv-k32", "tier-int8-r8-k2048"}
+    assert r["partial"] is False
+    for n in ("floor:chunk", "oracle-shared-k2048", "sketch8-shared-k2048"):
+        assert cfg[n]["kl_mean"] < 1e-6 and cfg[n]["top1"] == 1.0, n
+    assert cfg["sketch8-shared-k32"]["kl_mean"] > 1e-6           # 52 of ~516 tokens read: not dense
+    assert cfg["tier-int8-r8-k2048"]["kl_mean"] < 0.05           # int8 rows, every token
+    assert 0 < cfg["sketch8-shared-k32"]["frac_read"] < 0.2 and cfg["floor:chunk"]["frac_read"] == 1.0
+    est = r["configs"]["sketch8-shared-k32"]["miss_estimate"]["512-0"]
+    assert 0 < est["mean"] <= 1 and len(est["per_layer_mean"]) == 2
+    assert r["configs"]["sketch8-shared-k2048"]["miss_estimate"]["512-0"]["mean"] < 1e-6   # nothing left out

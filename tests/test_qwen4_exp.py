@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from conftest import last_logits
 from sketchkv import LLM, SamplingParams
 from sketchkv.errors import CheckpointError
 from sketchkv.ops.qsa import SENTINEL, block_scores, select_positions
@@ -35,18 +36,6 @@ def _hf_greedy(model, ids, n):
     return out
 
 
-def _chunked_prefill_logits(llm, ids):
-    eng, runner = llm.engine, llm.engine.runner
-    seq = eng.add_request(ids, SamplingParams(max_tokens=1))
-    batch, logits = eng.scheduler.schedule(), None
-    while batch:
-        logits = runner.run(batch, sample_now=False)
-        eng.scheduler.after_step(batch)
-        batch = eng.scheduler.schedule() if seq.num_uncached else []
-    eng.scheduler.finish(seq)
-    return logits[-1]
-
-
 @pytest.fixture(scope="module")
 def qwen4(tmp_path_factory):
     from conftest import make_checkpoint
@@ -58,7 +47,7 @@ def test_logits_and_greedy_match_transformers(qwen4):
     path, hf = qwen4
     llm = LLM(path, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=128)
     ids = _prompt(300, 1, eos_at=100)
-    logits = _chunked_prefill_logits(llm, ids)  # 128-token chunks: later chunks select over a cached prefix
+    logits = last_logits(llm, ids)  # 128-token chunks: later chunks select over a cached prefix
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(logits, ref, rtol=RTOL, atol=ATOL)
@@ -130,7 +119,7 @@ def test_ple_tables_split_across_files_load(qwen4, tmp_path):
     ids = _prompt(60, 5)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
-    torch.testing.assert_close(_chunked_prefill_logits(llm, ids), ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(last_logits(llm, ids), ref, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -216,7 +205,7 @@ def _qsa_run(path, monkeypatch, gather: bool, tier: bool, **score):
                 sparse_recent_tokens=8) if tier else {}
     llm = LLM(path, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=128, **opts)
     ids = _prompt(300, 1, eos_at=100)
-    logits = _chunked_prefill_logits(llm, ids)
+    logits = last_logits(llm, ids)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompt_token_ids=[ids, _prompt(170, 2)], sampling_params=sp)
     follow = llm.generate(prompt_token_ids=[ids + _prompt(40, 3)], sampling_params=sp)[0]
@@ -273,7 +262,7 @@ def _largest_prefill_temporary(path, monkeypatch, gather: bool, n_prompt: int) -
     monkeypatch.setattr(ia, "GATHER_MIN_CONTEXT", 0 if gather else 10**9)
     monkeypatch.setattr(ia, "SCORE_BYTES", 32 << 10)
     llm = LLM(path, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=128)
-    _chunked_prefill_logits(llm, _prompt(n_prompt, 9))
+    last_logits(llm, _prompt(n_prompt, 9))
     return largest[0]
 
 

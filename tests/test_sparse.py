@@ -1,4 +1,5 @@
 """Sparse decode: key basis, int4 sketches, deterministic selection, exactness with top_k >= context."""
+import dataclasses
 import os
 
 import pytest
@@ -13,7 +14,7 @@ from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import (dequantize_int4, project_queries, project_queries_ref, quantize_int4,
                                  quantize_query_int8, query_words, query_words_ref, sketch_keys_ref, sketch_score,
                                  sketch_score_dot, sketch_score_dp4a, sketch_score_ref, softmax_combine)
-from sketchkv.ops.selection import compose_selection, compose_selection_ref
+from sketchkv.ops.selection import SENTINEL, compose_selection, compose_selection_ref
 from sketchkv.ops.sketch_base import apply_sketch_base, row_slots, sketch_base_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk, topk_positions, topk_positions_torch,
@@ -553,6 +554,42 @@ def test_basis_roundtrip_and_mismatch(ckpt_with_basis, tiny_checkpoint):
         LLM(other_path, device="cpu", sparse=True, sparse_basis=path)
 
 
+def test_basis_truncated_is_the_lower_rank_fit(ckpt_with_basis, tmp_path):
+    """PCA directions are nested: the first r columns of a rank-8 fit are the rank-r fit (same keys, same order)."""
+    from sketchkv.kv.fit_basis import fit_basis
+    b8 = KeyBasis.load(os.path.join(ckpt_with_basis, "key_basis.safetensors"))
+    b4 = b8.truncated(4)
+    assert b4.rank == 4 and b4.meta["truncated_from"] == 8 and torch.equal(b4.bases, b8.bases[..., :4])
+    llm = LLM(ckpt_with_basis, device="cpu", block_size=16)
+    direct = fit_basis(llm, [os.path.join(ckpt_with_basis, "calib.txt")], rank=4, max_tokens=3000, seq_len=1024,
+                       progress=False)
+    # eigenvectors up to sign
+    cos = torch.einsum("lhdr,lhdr->lhr", direct.bases, b4.bases).abs()
+    assert torch.allclose(cos, torch.ones_like(cos), atol=1e-3)
+    with pytest.raises(CheckpointError, match="rank must be even"):
+        b8.truncated(3)
+
+
+def test_fit_basis_streams_sequences_file_by_file(tmp_path):
+    """token_sequences cuts the files' tokens (in file order) into seq_len pieces, max_tokens in all, reading a
+    file only when the sequences before it are consumed."""
+    from sketchkv.kv.fit_basis import token_sequences
+    for j in range(3):
+        (tmp_path / f"f{j}.txt").write_text("x" * (10 + j))
+    (tmp_path / "f9.pyc").write_bytes(b"\x00\xff")
+    read = []
+
+    def encode(text):
+        read.append(len(text))
+        return list(range(len(text)))
+
+    it = token_sequences(encode, [str(tmp_path)], max_tokens=30, seq_len=8)
+    assert len(next(it)) == 8 and read == [10]          # lazily: only the first file so far
+    rest = list(it)
+    assert [len(x) for x in rest] == [8, 8, 6] and read == [10, 11, 12]   # 30 tokens in all
+    assert sum(len(x) for x in token_sequences(encode, [str(tmp_path)], 10 ** 6, 8)) == 33
+
+
 @pytest.mark.parametrize("combine", ["softmax", "sum", "max"])
 def test_topk_ge_context_equals_dense(ckpt_with_basis, combine):
     """top_k >= context with the sparse path forced on: every token is selected -> the dense result."""
@@ -586,6 +623,41 @@ def test_small_k_selects_exactly_sinks_picks_recent_and_is_deterministic(ckpt_wi
         assert sel[:4] == [0, 1, 2, 3] and sel[-8:] == list(range(n - 8, n))
         assert sel == sorted(set(sel))
     assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_dense_layers_decode_every_token_and_only_the_first_ones(ckpt_with_basis):
+    """dense_layers = N: the first N full-attention layers decode over every token (the dense result when N covers
+    them all), the others still pick sinks + top-k + recent; over the host tier a dense layer selects every row."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompt = [_prompt(400, 5)]
+    dense = LLM(ckpt_with_basis, device="cpu", block_size=16).generate(prompt_token_ids=prompt, sampling_params=sp)[0]
+    cfg = SparseConfig(sparse=True, top_k=16, sink_tokens=4, recent_tokens=8, dense_threshold=0, dense_layers=2)
+    out = LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=cfg).generate(prompt_token_ids=prompt,
+                                                                                sampling_params=sp)[0]
+    assert out.token_ids == dense.token_ids     # this checkpoint has two full-attention layers: both dense
+    assert max(abs(a - b) for a, b in zip(out.logprobs, dense.logprobs)) < 1e-4
+    llm = LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=dataclasses.replace(cfg, dense_layers=1))
+    llm.generate(prompt_token_ids=prompt, sampling_params=sp)
+    l0, l1 = llm.engine.runner.sparse_layers
+    assert (l0.layer_index, l1.layer_index) == (0, 1) and l0.dense_layer and not l1.dense_layer
+    assert l1.last_indices[1].tolist() == [4 + 16 + 8]
+    tier = LLM(ckpt_with_basis, device="cpu", block_size=16,
+               sparse=dataclasses.replace(cfg, dense_layers=1, host_tier=True, host_format="bf16",
+                                                   host_budget_gb=0.05))
+    tier.generate(prompt_token_ids=prompt, sampling_params=sp)
+    t0, t1 = tier.engine.runner.sparse_layers
+    assert t0.last_indices[1].tolist() == [400 + 7] and t1.last_indices[1].tolist() == [4 + 16 + 8]
+
+
+def test_missed_mass_estimate_is_the_candidates_mass_outside_the_picks():
+    from sketchkv.layers.sparse_attention import missed_mass_estimate
+    p = torch.tensor([[[0.5, 0.3, 0.1, 0.1, 0.0]], [[0.25, 0.25, 0.25, 0.25, 0.0]]])
+    log_mass = torch.log(p).masked_fill(p == 0, float("-inf"))        # the last position: not a candidate
+    picks = torch.tensor([[[0, 1]], [[2, SENTINEL]]], dtype=torch.int32)
+    est = missed_mass_estimate(log_mass, picks)
+    assert torch.allclose(est, torch.tensor([0.2, 0.75]), atol=1e-6)
+    none = torch.full((1, 1, 4), float("-inf"))                          # no candidates: nothing missed
+    assert missed_mass_estimate(none, torch.full((1, 1, 2), SENTINEL, dtype=torch.int32)).tolist() == [0.0]
 
 
 def test_decode_rows_in_mixed_steps_stay_sparse(ckpt_with_basis, monkeypatch):

@@ -177,7 +177,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.data_parallel:
         if min(args.data_parallel) < 1:
             raise SketchKVError("--data-parallel values must be >= 1")
-        return DP.run(args, name)
+        return DP.run(args, name, __name__)
     return run(args, name)
 
 

@@ -116,7 +116,7 @@ KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
     ("host gather (PCIe)", ("_host_gather",)),
     ("scatter rows", ("_scatter_rows",)),
     ("rmsnorm", ("_rms_norm",)),
-    ("gemm (weights)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitKreduce")),
+    ("gemm (weights)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitKreduce", "_w4a16", "_dequant_kernel")),
     ("memcpy / memset", ("memcpy", "Memcpy", "memset", "Memset")),
     ("sort / scan (torch)", ("sort", "Sort", "scan", "Scan", "cumsum", "cub::")),
     ("index / gather (torch)", ("index", "gather", "scatter", "Index")),

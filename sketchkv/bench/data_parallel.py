@@ -13,9 +13,15 @@ per-replica point merged in with --from-json, each point also gets its ratio to 
 
     sketchkv bench agents --model random:qwen3.5-27b --configs sparse --agents 8 --contexts 250K \\
         --fill random --data-parallel 1 2 --sparse-host-budget-gb 48    # 16 x 250K on 2 GPUs vs 8 x 250K on 1
+
+Owns the replica processes, the barrier that starts their windows together, and the combined rows. It does not
+import the benchmark it runs: `run(args, name, bench)` gets the benchmark module's name (`sketchkv.bench.agents`
+passes its own), imports it in each replica and calls its `run`, `goals`, `markdown`, `plot`, `argv_without` and
+`point_command`; the benchmark imports this module (one direction, no cycle).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shlex
 import sys
@@ -38,22 +44,21 @@ def abort_barrier() -> None:
         HOOK["barrier"].abort()
 
 
-def _replica(args, index: int, gpu: str | None, threads: int, barrier, conn) -> None:
+def _replica(args, bench: str, index: int, gpu: str | None, threads: int, barrier, conn) -> None:
     if gpu is not None:   # before torch starts CUDA: the replica sees its one GPU as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     import torch
     if threads:   # a share of the cores, never more than OMP_NUM_THREADS asks for
         torch.set_num_threads(min(threads, torch.get_num_threads()))
-    from sketchkv.bench import agents
     HOOK.update(barrier=barrier, prefix=f"replica {index}: ")
     try:
-        conn.send(("ok", agents.run(args, f"replica{index}", write=False)))
+        conn.send(("ok", importlib.import_module(bench).run(args, f"replica{index}", write=False)))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         abort_barrier()
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def run_replicas(args, n: int) -> list[dict]:
+def run_replicas(args, n: int, bench: str) -> list[dict]:
     """Run the points on n replica processes at once; each one's results dict, in replica order."""
     import multiprocessing as mp
 
@@ -70,7 +75,7 @@ def run_replicas(args, n: int) -> list[dict]:
     procs = []
     for p in plans:
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_replica, args=(wargs, p.index, p.gpu, p.threads, barrier, send), daemon=True,
+        proc = ctx.Process(target=_replica, args=(wargs, bench, p.index, p.gpu, p.threads, barrier, send), daemon=True,
                            name=f"sketchkv-bench-replica-{p.index}")
         proc.start()
         send.close()
@@ -91,9 +96,9 @@ def run_replicas(args, n: int) -> list[dict]:
     return out
 
 
-def combine(replicas: list[dict], n: int, argv: list[str]) -> list[dict]:
-    """One row per point: the replicas' timed windows combined."""
-    from sketchkv.bench.agents import argv_without, point_command
+def combine(replicas: list[dict], n: int, argv: list[str], bench) -> list[dict]:
+    """One row per point: the replicas' timed windows combined (bench: the benchmark module, for its commands)."""
+    argv_without, point_command = bench.argv_without, bench.point_command
     rest = argv_without(argv, ("--data-parallel",))
     rows = []
     sp = replicas[0]["sparse"]
@@ -150,18 +155,19 @@ def goals(dp_rows: list[dict], long: int) -> list[dict]:
     return out
 
 
-def run(args, name: str) -> dict:
-    from sketchkv.bench import agents
+def run(args, name: str, bench: str) -> dict:
+    """Every point of `args` on each replica count of args.data_parallel; bench: the benchmark module's name."""
+    agents = importlib.import_module(bench)
     argv = sys.argv[sys.argv.index("agents") + 1:] if "agents" in sys.argv else []
     results, dp_rows = None, []
     for n in args.data_parallel:
         C.log(f"data-parallel: {n} replica(s)", args.quiet)
-        replicas = run_replicas(args, n)
+        replicas = run_replicas(args, n, bench)
         if results is None:
             results = dict(replicas[0], rows=[])
         if n == 1:   # the one-replica run is an ordinary single-GPU run: its full rows
             results["rows"] = replicas[0]["rows"]
-        dp_rows += combine(replicas, n, argv)
+        dp_rows += combine(replicas, n, argv, agents)
     results["info"] = dict(results["info"], data_parallel=list(args.data_parallel),
                            command="sketchkv bench agents " + " ".join(shlex.quote(a) for a in argv))
     results["dp_rows"] = dp_rows

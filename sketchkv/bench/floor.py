@@ -69,7 +69,7 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     total = sum(p.numel() * p.element_size() for p in params.values())
     emb = model.model.embed_tokens.weight
     lm = getattr(model, "lm_head", None)
-    if lm is not None and lm.weight is emb:  # tied: the LM head reads the whole table
+    if lm is not None and getattr(lm, "weight", None) is emb:  # tied: the LM head reads the whole table
         return total, 0
     return total - emb.numel() * emb.element_size(), emb.shape[1] * emb.element_size()
 
@@ -89,7 +89,8 @@ def basis_rank(model_path: str, head_dim: int, basis: str | None = None) -> int:
     import os
     if model_path.startswith("random:"):
         return head_dim // 4
-    path = basis or os.path.join(model_path, "key_basis.safetensors")
+    from sketchkv.kv.basis import default_basis_path
+    path = basis or default_basis_path(model_path)
     if not os.path.isfile(path):
         return head_dim // 4
     from safetensors import safe_open
@@ -101,11 +102,11 @@ def shape_of(model_path: str, dtype: torch.dtype, block_size: int, basis: str | 
              model: torch.nn.Module | None = None) -> Shape:
     """The Shape of a model, from its config alone (a parameter-free copy on the meta device) unless the
     built model is given."""
-    from sketchkv.models.loader import build_model, load_config
+    from sketchkv.models.loader import build_model, int4_layers_of, load_config
     from sketchkv.models.presets import preset_config
     cfg = preset_config(model_path[len("random:"):])[0] if model_path.startswith("random:") else load_config(model_path)
-    if model is None:
-        model = build_model(cfg, dtype, torch.device("meta"))
+    if model is None:  # int4 layers (W4A16) built as such: their bytes are the int4 tensors
+        model = build_model(cfg, dtype, torch.device("meta"), int4_layers_of(model_path, cfg))
     itemsize = torch.empty((), dtype=dtype).element_size()
     w, row = weight_bytes(model)
     params = sum(p.numel() * p.element_size() for p in model.parameters())

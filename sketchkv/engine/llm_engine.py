@@ -1,4 +1,9 @@
-"""The engine loop: requests in, scheduled steps, tokens out."""
+"""The engine loop: requests in, scheduled steps, tokens out.
+
+Owns the live requests (`add_request` / `abort` / `step` -> `RequestOutput`s), wires the model (loaded here, or by
+tensor-parallel workers), the scheduler, the model runner, the speculative drafter and the detokenizer together,
+and answers for the whole engine: `teacher_force` (the quality evaluations), `tier_stats` (the host tier's
+counters), `shutdown`."""
 import gc
 import json
 import logging

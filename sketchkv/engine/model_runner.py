@@ -165,13 +165,12 @@ class ModelRunner:
 
     def _install_sparse_attention(self) -> None:
         """Swap each full-attention layer's dense core for the sparse one, with its slice of the basis."""
-        from sketchkv.kv.basis import KeyBasis, model_fingerprint, random_basis
-        import os
+        from sketchkv.kv.basis import KeyBasis, default_basis_path, model_fingerprint, random_basis
         c, sp = self.model_cfg, self.cfg.sparse
         if self.cfg.model.startswith("random:"):
             basis = random_basis(c, c.head_dim // 4)
         else:
-            path = sp.basis or os.path.join(self.cfg.model, "key_basis.safetensors")
+            path = sp.basis or default_basis_path(self.cfg.model)
             basis = KeyBasis.load(path, c, model_fingerprint(c, self.model))
         for j, i in enumerate(c.full_attention_layers):
             owner = self.model.model.layers[i].self_attn
@@ -179,6 +178,7 @@ class ModelRunner:
                                          basis.means[j].to(self.device), self.dense_threshold)
             if sp.host_tier:
                 owner.attn = TieredAttention(owner.attn, j)
+            owner.attn.layer_index = j   # its index among the full-attention layers (sparse dense_layers)
             if sp.verify_selection == "shared":  # verification rows read the first row's picks + their own tokens
                 owner.attn.verify_extra = self.cfg.num_speculative_tokens
 

@@ -9,6 +9,10 @@
   (SnapKV / TokenGate style, `sketchkv.eval.prune`).
 
 Each module has `add_args(parser)` / `main(args)` for the CLI and a `run_*` function for Python use.
+
+Not a subcommand: `python -m sketchkv.eval.sweep` (issue 40) runs many selection configurations (oracle, sketch ranks,
+budgets, per-KV-head picks, host-row formats, the prune baseline) against dense with one prefill per sample and
+engine, for CPU-bound studies; its output is the same kind of JSON / Markdown / PNG.
 """
 
 COMMANDS = ("kld", "recall", "agents")

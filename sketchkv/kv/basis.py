@@ -6,6 +6,7 @@ caching keeps working. Saved as safetensors with a fingerprint of the model; loa
 """
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +17,18 @@ from sketchkv.errors import CheckpointError
 from sketchkv.models.model_config import ModelConfig
 
 
+def default_basis_path(model: str) -> str:
+    """MODEL_DIR/key_basis.safetensors; beside a .gguf file, FILE.key_basis.safetensors (FILE minus .gguf)."""
+    if model.lower().endswith(".gguf"):
+        return model[:-len(".gguf")] + ".key_basis.safetensors"
+    return os.path.join(model, "key_basis.safetensors")
+
+
 def model_fingerprint(cfg: ModelConfig, model: torch.nn.Module) -> dict:
     """model_type + attention shapes + a hash of the full-attention K projections' weights."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
-        if name.endswith("k_proj.weight") and not name.startswith("mtp."):
+        if name.endswith(("k_proj.weight", "k_proj.qweight")) and not name.startswith("mtp."):  # qweight: int4
             # the first 256K weights of each (cheap, unique), rounded to bf16 so that a basis fitted with the
             # model loaded in fp32 also fits it loaded in bf16 (and the other way round)
             w = p.detach().reshape(-1)[:1 << 18].to(torch.bfloat16).float()
@@ -40,6 +48,16 @@ class KeyBasis:
     @property
     def rank(self) -> int:
         return self.bases.shape[-1]
+
+    def truncated(self, rank: int) -> "KeyBasis":
+        """The same fit at a lower rank: PCA directions are nested (sorted by explained variance), so the first
+        `rank` columns are exactly what a fit at that rank gives."""
+        if not 0 < rank <= self.rank or rank % 2:
+            raise CheckpointError(f"rank must be even and in (0, {self.rank}], got {rank}")
+        meta = dict(self.meta)
+        meta.pop("explained_variance", None)   # per rank; the fit's eigenvalues are not kept
+        return KeyBasis(self.layers, self.bases[..., :rank].contiguous(), self.means, self.fingerprint,
+                        {**meta, "truncated_from": self.rank})
 
     def save(self, path: str) -> None:
         meta = {"fingerprint": json.dumps(self.fingerprint), "layers": json.dumps(self.layers),

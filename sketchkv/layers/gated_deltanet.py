@@ -1,11 +1,10 @@
 """Gated DeltaNet token mixer (Qwen3-Next / Qwen3.5 linear-attention layers) over per-sequence state slots."""
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from sketchkv.engine.context import get_context
 from sketchkv.layers.norms import GatedRMSNorm
-from sketchkv.models.fuse import fuse_linears
+from sketchkv.models.fuse import fuse_linears, linear
 from sketchkv.ops.causal_conv1d import causal_conv1d_decode, causal_conv1d_rows, causal_conv1d_varlen, conv_state_shape
 from sketchkv.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_rows, gated_delta_rule_varlen
 from sketchkv.ops.gdn_gates import gdn_gates
@@ -62,7 +61,7 @@ class GatedDeltaNet(nn.Module):
         ctx = get_context()
         T = x.shape[0]
         if self.in_proj is not None:
-            qkv, z, b, a = F.linear(x, self.in_proj).split(
+            qkv, z, b, a = linear(x, self.in_proj).split(
                 [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)

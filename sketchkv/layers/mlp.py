@@ -3,7 +3,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from sketchkv.models.fuse import fuse_linears
+from sketchkv.models.fuse import fuse_linears, linear
 from sketchkv.ops.silu_and_mul import silu_and_mul
 
 
@@ -20,7 +20,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down_proj(silu_and_mul(F.linear(x, self.gate_up)))
+            return self.down_proj(silu_and_mul(linear(x, self.gate_up)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -12,7 +12,9 @@ queries, evenly spaced and the last one included, scored as extra query heads of
 combine a token scores by the attention mass those rows would give it) and attends the sinks, those picks,
 the recent tokens before the chunk and the chunk itself (causal); only those prefix rows are read (over
 the host tier: picked rows instead of the whole prefix). A sequence whose context fits in sinks + top_k +
-recent selects all of its tokens, so the sparse path then gives the dense result.
+recent selects all of its tokens, so the sparse path then gives the dense result. The first `dense_layers`
+full-attention layers decode densely (over the host tier: their selection is every token); with `miss_estimate`
+each layer keeps, per step, the share of the candidates' estimated attention mass its picks left out.
 """
 import torch
 
@@ -30,6 +32,19 @@ from sketchkv.parallel.comm import reduce_selection_scores
 CHUNK_SELECT_ROWS = 16   # prefill_selection=chunk: rows of a prompt chunk whose queries choose its picks
 
 
+def missed_mass_estimate(log_mass: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """The share of the candidates' estimated attention mass the picks leave out, per row: log_mass [B, H, N] (the
+    softmax combine's log of the summed per-head probabilities; -inf = not a candidate), picks [B, H, k] ->
+    [B] fp32 in [0, 1], mean over the selection heads. Sinks and the recent window are not candidates, so this
+    is the missed share of the candidates' mass, an upper bound on the missed share of the whole attention."""
+    N = log_mass.shape[-1]
+    lm = log_mass.float()
+    total = torch.logsumexp(lm, -1)
+    got = lm.gather(-1, picks.long().clamp(max=N - 1)).masked_fill(picks == SENTINEL, float("-inf"))
+    miss = 1 - torch.exp(torch.logsumexp(got, -1) - total)
+    return torch.nan_to_num(miss, nan=0.0).clamp(0, 1).mean(-1)
+
+
 class SparseAttention(Attention):
     def __init__(self, dense: Attention, cfg: SparseConfig, basis: torch.Tensor, mean: torch.Tensor,
                  dense_threshold: int):
@@ -43,6 +58,7 @@ class SparseAttention(Attention):
         self.sketch = torch.tensor([])        # [num_blocks, block_size, Hkv, r // 2] uint8
         self.sketch_scale = torch.tensor([])  # [num_blocks, block_size, Hkv] fp16
         self.last_indices = None              # picks of the last decode step (for tests and stats)
+        self.last_miss_estimate = None        # [B] (sparse miss_estimate): the candidates' mass the picks missed
         self.tensor_parallel = False          # our heads are one rank's share (parallel/tensor_parallel.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -61,8 +77,15 @@ class SparseAttention(Attention):
         return apply_sketch_base(x, slots, self.sketch, self.sketch_scale, self.mean, self.basis, sign, out,
                                  hits, pool_slots)
 
+    layer_index = -1   # among the full-attention layers (set by the model runner)
+
+    @property
+    def dense_layer(self) -> bool:
+        """One of the first `dense_layers` full-attention layers: decodes over every token."""
+        return 0 <= self.layer_index < self.cfg.dense_layers
+
     def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:
-        if not sparse:
+        if not sparse or self.dense_layer:
             return super().decode(q, block_tables, seq_lens, sparse, graph, max_seq_len)
         # in a CUDA graph the shapes must not depend on this step's lengths
         max_len = block_tables.shape[1] * self.k_cache.shape[1] if graph else max_seq_len
@@ -87,6 +110,11 @@ class SparseAttention(Attention):
         """pick for queries grouped by KV head, [B, Hkv, G, D] (G: any number of query vectors per KV head).
         With the sum combine, scores are linear in q: one dot per KV head with the group's sum."""
         c = self.cfg
+        if self.dense_layer:   # every candidate (over the host tier: a dense layer reads all of its rows)
+            B, Hsel = qg.shape[0], 1 if c.shared_selection else self.num_kv_heads
+            t = c.sink_tokens + torch.arange(max_len, dtype=torch.int32, device=qg.device)   # compacted, ascending
+            cand = t[None] < seq_lens[:, None].to(torch.int32) - c.recent_tokens
+            return torch.where(cand, t, SENTINEL)[:, None].expand(B, Hsel, max_len).contiguous()
         if c.selector == "exact":  # the oracle: full keys instead of the sketch (evaluation)
             qg = qg.float()
             if c.head_combine == "sum":
@@ -100,7 +128,11 @@ class SparseAttention(Attention):
                                   kernel=c.score_kernel)
         if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
             scores = reduce_selection_scores(scores, c.head_combine)
-        return topk_positions(scores, min(c.top_k, max_len), SENTINEL)
+        picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL)
+        if c.miss_estimate:
+            self.last_miss_estimate = missed_mass_estimate(scores if c.head_combine == "softmax" else scores * self.scale,
+                                                           picks)
+        return picks
 
     # ---- prefill_selection=chunk ------------------------------------------------------------------------
     def prefill(self, q, k, v, block_table, cached: int, rows: slice) -> torch.Tensor:

@@ -4,15 +4,50 @@ of the loaded model, not a flag threaded through it).
 At decode time every projection is a memory-bound GEMV plus a launch; q/k/v, gate/up and the four
 Gated DeltaNet input projections each become one. The original parameters stay (as views into the
 fused weight), so names, checkpoints and fingerprints are unchanged and no memory is duplicated.
+
+A fused weight is a tensor (bf16 linears), an Int4Weight (int4 linears, layers/int4_linear.py: the
+canonical tensors concatenated along N) or, where a checkpoint mixes the two in one group (int4 GDN
+q/k/v/z with bf16 gates b/a), a tuple of both, run as two GEMMs; `linear(x, w)` runs any of them.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from sketchkv.layers.int4_linear import Int4Linear
+from sketchkv.ops.w4a16_gemm import Int4Weight, prepare_int4_weight, w4a16_matmul
 
-def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
-    """Concatenate the weights (rows) of bias-free linears; re-point each at its slice."""
+FusedWeight = torch.Tensor | Int4Weight | tuple
+
+
+def linear(x: torch.Tensor, w: FusedWeight) -> torch.Tensor:
+    """x @ W.T of a fused weight."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    if isinstance(w, Int4Weight):
+        return w4a16_matmul(x, w)
+    return torch.cat([linear(x, part) for part in w], dim=-1)
+
+
+def fuse_linears(linears: list[nn.Module]) -> FusedWeight | None:
+    """Concatenate the weights (output features) of bias-free linears; re-point each at its slice.
+    Consecutive linears of one kind fuse together (int4 ones when their group sizes agree)."""
     if any(lin.bias is not None for lin in linears):
         return None
+    runs: list[list[nn.Module]] = []
+    for lin in linears:
+        if runs and _kind(runs[-1][0]) == _kind(lin):
+            runs[-1].append(lin)
+        else:
+            runs.append([lin])
+    fused = [_fuse_int4(run) if isinstance(run[0], Int4Linear) else _fuse_dense(run) for run in runs]
+    return fused[0] if len(fused) == 1 else tuple(fused)
+
+
+def _kind(lin: nn.Module):
+    return ("int4", lin.group_size, lin.scales.dtype) if isinstance(lin, Int4Linear) else "dense"
+
+
+def _fuse_dense(linears: list[nn.Linear]) -> torch.Tensor:
     fused = torch.cat([lin.weight.data for lin in linears])
     start = 0
     for lin in linears:
@@ -20,6 +55,19 @@ def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
         lin.weight.data = fused[start:start + n]
         start += n
     return fused
+
+
+def _fuse_int4(linears: list[Int4Linear]) -> Int4Weight:
+    """Concatenate canonical tensors along N (before prepare_int4: the loader fuses first), prepare the result."""
+    assert all(lin.int4 is None and not lin.fused for lin in linears), "int4 projections fuse before prepare_int4"
+    cat = [torch.cat([getattr(lin, t).data for lin in linears], dim=1) for t in ("qweight", "scales", "zeros")]
+    w = prepare_int4_weight(*cat, linears[0].group_size)
+    start = 0
+    for lin in linears:
+        lin.adopt(w, slice(start, start + lin.out_features))
+        lin.fused = True
+        start += lin.out_features
+    return w
 
 
 def fuse_projections(model: nn.Module) -> None:

@@ -1,16 +1,16 @@
-"""Dense decoder-only models: Llama (`llama`) and Qwen3 (`qwen3`, adds per-head q/k RMSNorm).
+"""Dense decoder-only models: Llama (`llama`), Qwen2 (`qwen2`, q/k/v biases) and Qwen3 (`qwen3`, per-head
+q/k RMSNorm).
 
 Every layer is full attention; same runtime as the hybrids, with no Gated DeltaNet state.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sketchkv.layers.attention import Attention
 from sketchkv.layers.mlp import MLP
 from sketchkv.layers.norms import RMSNorm
 from sketchkv.layers.rotary import RotaryEmbedding
-from sketchkv.models.fuse import fuse_linears
+from sketchkv.models.fuse import fuse_linears, linear
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.models.weights import default_load_weight
 
@@ -20,9 +20,10 @@ class LlamaAttention(nn.Module):
         super().__init__()
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
-        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=cfg.attention_bias)
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=qkv_bias)
         self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -36,7 +37,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
-            q, k, v = F.linear(x, self.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = linear(x, self.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)

@@ -1,4 +1,5 @@
 """Hugging Face checkpoint directory -> (ModelConfig, model on the target device and dtype).
+(A `.gguf` file goes to gguf.py.)
 
 Tensors are read one at a time from safetensors straight onto the target device and copied
 into parameters that were allocated there, so the weights never exist twice in host RAM.
@@ -12,19 +13,21 @@ import torch
 from safetensors import safe_open
 
 from sketchkv.errors import CheckpointError
+from sketchkv.layers.int4_linear import prepare_int4
+from sketchkv.models.build import build_model
 from sketchkv.models.fuse import fuse_projections
-from sketchkv.models.llama import LlamaForCausalLM
+from sketchkv.models.gguf import gguf_config, is_gguf, load_gguf_model
 from sketchkv.models.model_config import ModelConfig
-from sketchkv.models.presets import preset_config, randomize
-from sketchkv.models.qwen3_5 import Qwen3_5ForCausalLM
-from sketchkv.models.qwen4_exp import Qwen4ExpForCausalLM
+from sketchkv.models.presets import preset_config, preset_int4_layers, randomize
+from sketchkv.models.quantized import Int4Reader, int4_format, int4_layers
 from sketchkv.models.weights import expert_slices
 
-ARCHITECTURES = {"hybrid": Qwen3_5ForCausalLM, "dense": LlamaForCausalLM, "qwen4_exp": Qwen4ExpForCausalLM}
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 
 
 def load_config(path: str) -> ModelConfig:
+    if is_gguf(path):
+        return gguf_config(path)
     if not os.path.isdir(path):
         from sketchkv.config import default_model
         if os.path.abspath(path) == os.path.abspath(default_model()):
@@ -43,7 +46,7 @@ def load_config(path: str) -> ModelConfig:
 
 
 def load_model_config(path: str) -> ModelConfig:
-    """The ModelConfig of a checkpoint directory or `random:PRESET`, without loading weights."""
+    """The ModelConfig of a checkpoint directory, `.gguf` file or `random:PRESET`, without loading weights."""
     return preset_config(path[len("random:"):])[0] if path.startswith("random:") else load_config(path)
 
 
@@ -95,31 +98,35 @@ def normalize_name(name: str) -> str | None:
     return name
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Parameters allocated (uninitialised) directly on the target device in the target dtype."""
-    with torch.device(device):
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            return ARCHITECTURES[cfg.family](cfg)
-        finally:
-            torch.set_default_dtype(prev)
+def int4_layers_of(path: str, cfg: ModelConfig) -> dict[str, int] | None:
+    """{layer: group size} of the int4 (W4A16) layers of a checkpoint directory or preset; None if it has none."""
+    if path.startswith("random:"):
+        return preset_int4_layers(cfg)
+    if not cfg.quantization_config or not os.path.isdir(path):
+        return None
+    fmt = int4_format(cfg.quantization_config, os.path.join(path, "config.json"))
+    return int4_layers(weight_files(path), fmt, normalize_name)
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, torch.nn.Module]:
-    """A checkpoint directory, or `random:PRESET` for a random-weight model of a named shape."""
+    """A checkpoint directory, a `.gguf` file, or `random:PRESET` for a random-weight model of a named shape."""
     if path.startswith("random:"):
         cfg, _ = preset_config(path[len("random:"):])
-        model = build_model(cfg, dtype, device)
+        model = build_model(cfg, dtype, device, preset_int4_layers(cfg))
         randomize(model)
         fuse_projections(model)
+        prepare_int4(model)
         return cfg, model.eval()
+    if is_gguf(path):
+        return load_gguf_model(path, dtype, device)
     cfg = load_config(path)
     files = weight_files(path)
     for f in files:
         _check_file(f)
-    model = build_model(cfg, dtype, device)
+    fmt = int4_format(cfg.quantization_config, os.path.join(path, "config.json")) if cfg.quantization_config else None
+    model = build_model(cfg, dtype, device, int4_layers(files, fmt, normalize_name) if fmt else None)
     params = dict(model.named_parameters(remove_duplicate=False))
+    int4 = Int4Reader(fmt, files, normalize_name, model, params, model.load_weight, dtype) if fmt else None
     filled: set[str] = set()
     has_mtp = any(n.startswith("mtp.") for n in params)
     dev = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
@@ -133,19 +140,25 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Mod
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue
                     try:
-                        filled.update(model.load_weight(name, f.get_tensor(key), params))
+                        if int4 is not None and int4.owns(name):  # int4 layers: models/quantized.py
+                            filled.update(int4.load(name, f.get_tensor(key)))
+                        else:
+                            filled.update(model.load_weight(name, f.get_tensor(key), params))
                     except CheckpointError as e:
                         raise CheckpointError(f"{file}: {e}") from None
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for damaged files
             raise CheckpointError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from None
+    if int4 is not None:
+        int4.finish()
     missing = [n for n in params if n not in filled and not _filled_by_slices(n, params, filled)
                and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:3])}{more}")
     fuse_projections(model)
+    prepare_int4(model)
     model.eval()
     return cfg, model
 

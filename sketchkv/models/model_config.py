@@ -6,7 +6,7 @@ from sketchkv.errors import CheckpointError
 # model_type -> architecture family implemented in sketchkv.models
 SUPPORTED = {
     "qwen3_5": "hybrid", "qwen3_5_text": "hybrid", "qwen3_next": "hybrid",
-    "qwen3": "dense", "llama": "dense",
+    "qwen3": "dense", "qwen2": "dense", "llama": "dense",
     "qwen4_exp_text": "qwen4_exp",
 }
 # multimodal wrappers whose text_config holds the language model
@@ -32,6 +32,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qkv_bias: bool = False            # q/k/v projections carry a bias, o_proj none (qwen2)
     qk_norm: bool = False             # per-head q/k RMSNorm (qwen3, hybrids)
     gated_attention: bool = False     # q_proj also yields a per-head sigmoid output gate (hybrids)
     zero_centered_norm: bool = False  # norms store w - 1 (hybrids)
@@ -53,6 +54,7 @@ class ModelConfig:
     mtp_num_layers: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    quantization_config: dict | None = None  # config.json's as is: int4 checkpoints (models/quantized.py)
     gdn_gate_act: str = "silu"        # Gated DeltaNet output gate activation (qwen4_exp: output_gate_type)
     # qwen4_exp: QSA indexer on the attention layers ("indexed_attention", listed here as full_attention)
     indexer_n_heads: int = 0
@@ -188,7 +190,8 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)),
             attention_bias=cfg.get("attention_bias", False),
             mlp_bias=cfg.get("mlp_bias", False),
-            qk_norm=model_type != "llama",
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type not in ("llama", "qwen2"),
             gated_attention=hybrid,
             zero_centered_norm=hybrid,
             linear_num_key_heads=cfg.get("linear_num_key_heads", 0) if hybrid else 0,
@@ -207,6 +210,7 @@ class ModelConfig:
             mtp_num_layers=cfg.get("mtp_num_hidden_layers", 0) or 0,
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id", cfg.get("bos_token_id")),
+            quantization_config=raw.get("quantization_config", cfg.get("quantization_config")),
             **(cls._qwen4_fields(cfg) if q4 else {}),
         )
 

@@ -6,7 +6,10 @@ speed is measured without downloading 54 GB (its attention picks are meaningless
 import torch
 
 from sketchkv.errors import CheckpointError
+from sketchkv.layers.int4_linear import Int4Linear
+from sketchkv.models.build import build_model
 from sketchkv.models.model_config import ModelConfig
+from sketchkv.models.quantized import default_int4_layers
 
 PRESETS = {
     # Qwen3.5-27B / Qwen3.8-27B shape: 64 layers (48 GDN + 16 gated attention), 24/4 heads x 256.
@@ -50,14 +53,22 @@ PRESETS = {
 }
 
 
+W4A16 = {"quant_method": "random", "bits": 4, "group_size": 128, "sym": True}  # the -w4a16 suffix
+
+
 def preset_config(name: str) -> tuple[ModelConfig, dict]:
     """A preset's config; the suffix `+mtp` (e.g. `random:qwen3.5-27b+mtp`) adds one MTP layer (hybrid
-    presets), for speculative-decoding speed runs (random drafts are rejected: every step verifies)."""
+    presets), for speculative-decoding speed runs (random drafts are rejected: every step verifies); `-w4a16`
+    (before it: `random:qwen3.5-27b-w4a16+mtp`) makes the projections int4 in groups of 128 (the production
+    AutoRound checkpoint's layout: lm_head, embeddings, GDN gates and the MTP head stay in the model dtype)."""
     base, mtp = (name[:-len("+mtp")], True) if name.endswith("+mtp") else (name, False)
+    base, w4a16 = (base[:-len("-w4a16")], True) if base.endswith("-w4a16") else (base, False)
     if base not in PRESETS:
         raise CheckpointError(f"unknown random model preset {name!r} (choose from {', '.join(PRESETS)}; "
-                              "append +mtp for an MTP layer)")
+                              "append -w4a16 for int4 weights, +mtp for an MTP layer)")
     raw = dict(PRESETS[base])
+    if w4a16:
+        raw["quantization_config"] = dict(W4A16)
     if mtp:
         if raw["model_type"] not in ("qwen3_5_text", "qwen3_next"):
             raise CheckpointError(f"random:{name}: MTP layers exist for qwen3_5_text / qwen3_next presets only")
@@ -65,11 +76,29 @@ def preset_config(name: str) -> tuple[ModelConfig, dict]:
     return ModelConfig.from_hf(raw, f"random:{name}"), raw
 
 
+def preset_int4_layers(cfg: ModelConfig) -> dict[str, int] | None:
+    """{layer: group size} of a -w4a16 preset's int4 layers (None for bf16 presets)."""
+    if not cfg.quantization_config:
+        return None
+    return default_int4_layers(build_model(cfg, torch.float32, torch.device("meta")),
+                               cfg.quantization_config["group_size"])
+
+
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Initialise like transformers' Qwen3.5: normal weights, zero-centred norms at 0, GDN decay in range."""
+    """Initialise like transformers' Qwen3.5: normal weights, zero-centred norms at 0, GDN decay in range.
+    Int4 layers: uniform random codes, symmetric (zero 8), scales giving the same std, drawn on the device."""
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    int4 = set()
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            m.qweight.random_(-2**31, 2**31 - 1, generator=g)  # every nibble uniform in 0..15
+            m.scales.fill_(std / 4.61)                          # std of uniform -8..7 is 4.61
+            m.zeros.fill_(8)
+            int4.update(id(t) for t in (m.qweight, m.scales, m.zeros))
     for name, p in model.named_parameters():
+        if id(p) in int4:
+            continue
         if name.endswith("A_log"):
             p.copy_(torch.empty_like(p, dtype=torch.float32).uniform_(0.01, 16, generator=g).log())
         elif name.endswith("dt_bias") or (name.endswith("norm.weight") and "linear_attn" in name):
@@ -105,8 +134,9 @@ def save_random_checkpoint(name: str, path: str, seed: int = 0, mtp_layers: int 
     import json
     import os
     from safetensors.torch import save_file
-    from sketchkv.models.loader import build_model
     cfg, raw = preset_config(name)
+    if cfg.quantization_config:
+        raise CheckpointError(f"{name}: write the bf16 preset, then `sketchkv quantize` it for an int4 checkpoint")
     if mtp_layers:
         raw["mtp_num_hidden_layers"] = mtp_layers
         cfg = ModelConfig.from_hf(raw, f"random:{name}")

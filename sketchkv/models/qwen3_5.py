@@ -6,7 +6,6 @@ sparse MoE and stores the GDN projections interleaved per key head; the loader d
 them so one GDN module serves both.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sketchkv.layers.attention import Attention
@@ -14,7 +13,7 @@ from sketchkv.layers.gated_deltanet import GatedDeltaNet
 from sketchkv.layers.mlp import MLP, SparseMoE
 from sketchkv.layers.norms import ZeroCenteredRMSNorm
 from sketchkv.layers.rotary import RotaryEmbedding
-from sketchkv.models.fuse import fuse_linears
+from sketchkv.models.fuse import fuse_linears, linear
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.models.weights import default_load_weight
 from sketchkv.ops.sigmoid_gate import sigmoid_gate
@@ -45,7 +44,7 @@ class GatedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
-            qg, k, v = F.linear(x, self.qkv).split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
+            qg, k, v = linear(x, self.qkv).split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, gate = qg.view(T, H, 2 * D).chunk(2, dim=-1)

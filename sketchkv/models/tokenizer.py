@@ -1,4 +1,5 @@
-"""Tokenizer from tokenizer.json (+ tokenizer_config.json for special tokens and the chat template)."""
+"""Tokenizer from tokenizer.json (+ tokenizer_config.json for special tokens and the chat template), or from
+a GGUF file's metadata (gguf_tokenizer.py)."""
 import json
 import os
 
@@ -6,6 +7,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from sketchkv.errors import CheckpointError, RequestError
+from sketchkv.models.gguf import is_gguf
 
 
 def _token_str(tok) -> str | None:
@@ -14,25 +16,11 @@ def _token_str(tok) -> str | None:
 
 class Tokenizer:
     def __init__(self, path: str):
-        file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{file}: missing (sketchkv needs a fast-tokenizer tokenizer.json)")
-        try:
-            self.tok = HFTokenizer.from_file(file)
-        except Exception as e:
-            raise CheckpointError(f"{file}: cannot load ({e})") from None
-        cfg = {}
-        cfg_file = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(cfg_file):
-            with open(cfg_file) as f:
-                cfg = json.load(f)
-        self.chat_template = cfg.get("chat_template")
-        tmpl_file = os.path.join(path, "chat_template.jinja")
-        if self.chat_template is None and os.path.isfile(tmpl_file):
-            with open(tmpl_file) as f:
-                self.chat_template = f.read()
-        self.eos_token = _token_str(cfg.get("eos_token"))
-        self.bos_token = _token_str(cfg.get("bos_token"))
+        if is_gguf(path):
+            from sketchkv.models.gguf_tokenizer import gguf_tokenizer
+            self.tok, self.chat_template, self.bos_token, self.eos_token = gguf_tokenizer(path)
+        else:
+            self.tok, self.chat_template, self.bos_token, self.eos_token = _from_dir(path)
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self.tok.get_vocab_size()
         self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
@@ -52,6 +40,28 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def _from_dir(path: str) -> tuple[HFTokenizer, str | None, str | None, str | None]:
+    """(tokenizer, chat template, bos token, eos token) of a Hugging Face model directory."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file}: missing (sketchkv needs a fast-tokenizer tokenizer.json)")
+    try:
+        tok = HFTokenizer.from_file(file)
+    except Exception as e:
+        raise CheckpointError(f"{file}: cannot load ({e})") from None
+    cfg = {}
+    cfg_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+    template = cfg.get("chat_template")
+    tmpl_file = os.path.join(path, "chat_template.jinja")
+    if template is None and os.path.isfile(tmpl_file):
+        with open(tmpl_file) as f:
+            template = f.read()
+    return tok, template, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
 
 
 def _raise(msg: str):

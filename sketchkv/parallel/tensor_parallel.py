@@ -39,6 +39,9 @@ def check_supported(cfg, model_cfg: ModelConfig) -> None:
         raise RequestError(f"tensor_parallel_size must be >= 1, got {n}")
     if model_cfg.family == "qwen4_exp":
         raise RequestError("tensor parallelism does not support qwen4_exp models yet (QSA indexer, hyper-connections)")
+    if model_cfg.quantization_config:
+        raise RequestError("tensor parallelism with int4 (W4A16) weights is not supported yet: run one engine per GPU "
+                           "(sketchkv serve --data-parallel N)")
     if model_cfg.num_experts:
         raise RequestError("tensor parallelism does not support MoE models yet (experts are not sharded)")
     if cfg.sparse.host_tier:

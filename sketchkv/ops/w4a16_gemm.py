@@ -1,0 +1,446 @@
+"""W4A16 GEMM: x [M, K] (bf16 / fp16 / fp32) times int4 weights with per-group scales and zero points.
+
+Canonical packed weight (GPTQ layout; every checkpoint format is converted to it at load):
+  qweight int32 [K // 8, N]: nibble j (bits 4j..4j+3) of qweight[i, n] holds q[n, 8i + j] in 0..15;
+  scales, zeros [K // G, N] in the activation dtype; w[n, k] = (q[n, k] - zeros[k // G, n]) * scales[k // G, n]
+  (symmetric: zeros = 8). G in {32, 64, 128} or G = K (per channel).
+
+CUDA: M < LARGE_M -> one Triton kernel (below); M >= LARGE_M (prefill) -> a Triton dequantize to bf16 then
+cuBLAS. CPU -> the reference. prepare_int4_weight (once, at load) shuffles the nibbles within each K tile of
+BLOCK_K = min(128, G) rows (KW = BLOCK_K / 8 words) Marlin-style: nibbles s and s + 4 of word i hold the k pair
+(2c, 2c + 1), c = s KW + i. One 32-bit lop3 on the word shifted by 4 s, (w >> 4s) & 0x000F000F | 0x43004300,
+is then the bf16 pair (128 + q[2c], 128 + q[2c + 1]), which is exactly the register the MMA operand wants for
+that k pair (0.875 instructions per weight for the unpacking); the 4 shifts of a [BLOCK_N, KW] word tile
+(loaded coalesced along N, pipelined through shared memory) give its [BLOCK_N, BLOCK_K] weights in k order, so
+x's columns are contiguous and one dot (K = BLOCK_K) covers the tile. The weight is the MMA's M side
+(out^T = W x^T: wgmma / mma.sync take it from registers, the few x rows are the N side, >= 8). A tile is one
+group (or holds 2 or 4 whole groups, a dot each), so a group's zero and scale apply to the fp32 product, not to
+every weight (rowsum(x) by a second dot against ones; scales and zeros prefetched a tile ahead):
+  acc += (dot(x, q + OFF) - rowsum(x) * (zero + OFF)) * scale
+OFF = 128 (bf16) / 1024 (fp16) builds the float by OR-ing the nibble into the mantissa of 128.0 / 1024.0
+(Marlin's trick: no conversion instruction); OFF = 0 converts (fp32 activations).
+Split-K: SPLIT_K programs per output tile write fp32 partials; the last to finish (a per-tile counter, reset
+by that program, so the kernel is graph-capturable) sums them in split order and writes the output.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+LARGE_M = 512  # from here on dequantize + cuBLAS (a bf16 GEMM is compute-bound there)
+
+
+# ---- packing and the reference --------------------------------------------------------------------------
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] integers in 0..15 -> qweight int32 [K // 8, N] (nibble j of word i holds column 8i + j)."""
+    N, K = q.shape
+    assert K % 8 == 0, f"K = {K} is not a multiple of 8"
+    q = q.to(torch.int32).t().reshape(K // 8, 8, N)
+    shifts = (4 * torch.arange(8, dtype=torch.int32, device=q.device)).view(1, 8, 1)
+    # the OR over nibbles equals their sum (disjoint bits); int32 wraps on the top nibble as the bits say
+    return (q << shifts).sum(1, dtype=torch.int32)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight int32 [K // 8, N] -> q uint8 [N, K] in 0..15."""
+    K8, N = qweight.shape
+    shifts = (4 * torch.arange(8, dtype=torch.int32, device=qweight.device)).view(1, 8, 1)
+    q = (qweight.view(K8, 1, N) >> shifts) & 0xF
+    return q.reshape(K8 * 8, N).t().to(torch.uint8).contiguous()
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The PyTorch reference: W [N, K] = (q - zeros) * scales, computed in fp32, rounded to `dtype`
+    (default: the scales' dtype)."""
+    q = unpack_int4(qweight).float()
+    N, K = q.shape
+    s = scales.float().t().repeat_interleave(group_size, dim=1)
+    z = zeros.float().t().repeat_interleave(group_size, dim=1)
+    assert s.shape == (N, K), f"scales {tuple(scales.shape)} do not fit K = {K}, N = {N}, group {group_size}"
+    return ((q - z) * s).to(dtype or scales.dtype)
+
+
+def w4a16_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                           group_size: int) -> torch.Tensor:
+    """x [..., K] @ dequantize(...).T -> [..., N] in x's dtype (fp32 accumulation)."""
+    w = dequantize_int4(qweight, scales, zeros, group_size, x.dtype)
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+# ---- the prepared weight --------------------------------------------------------------------------------
+
+def shuffle_int4(qweight: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Canonical qweight -> the kernel's order: within each K tile of block_k rows (KW = block_k / 8 words),
+    nibble j of word i holds k = tile * block_k + 2 (s KW + i) + h with s = j % 4, h = j // 4: one 32-bit op
+    on the word shifted by 4 s gives nibbles s and s + 4 = the k pair (2c, 2c + 1), c = s KW + i, so the
+    shifts s of a tile's words, concatenated, are its k in order (x columns contiguous)."""
+    out = torch.empty_like(qweight)
+    for c in range(0, qweight.shape[1], 4096):  # column chunks: the temporaries take ~12 bytes per weight
+        q = unpack_int4(qweight[:, c:c + 4096])
+        N, K = q.shape
+        out[:, c:c + 4096] = pack_int4(q.view(N, K // block_k, 4, block_k // 8, 2).permute(0, 1, 3, 4, 2).reshape(N, K))
+    return out
+
+
+def unshuffle_q(packed: torch.Tensor, block_k: int) -> torch.Tensor:
+    """shuffle_int4's packed words -> q uint8 [N, K] in natural order."""
+    qs = unpack_int4(packed)
+    N, K = qs.shape
+    return qs.view(N, K // block_k, block_k // 8, 2, 4).permute(0, 1, 4, 2, 3).reshape(N, K)
+
+
+@dataclass
+class Int4Weight:
+    """A weight as the GEMM runs it, built once at load by prepare_int4_weight: the packed words in the
+    kernel's order (shuffle_int4 with block_k; `qweight` gives the canonical words back), scales and zeros
+    as they are, and the split-K tiles' arrival counters (zero between calls)."""
+    packed: torch.Tensor       # int32 [K // 8, N], shuffled in K tiles of block_k
+    scales: torch.Tensor       # [K // G, N]
+    zeros: torch.Tensor        # [K // G, N]
+    group_size: int
+    block_k: int               # the kernel's K tile (default min(128, G)); 8 = canonical order
+    counters: torch.Tensor     # int32 [N] (>= output tiles of any split-K launch with M < LARGE_M)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The canonical qweight (recomputed: for loaders and checks, not per step)."""
+        return pack_int4(unshuffle_q(self.packed, self.block_k)) if self.block_k > 8 else self.packed
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[0] * 8
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[1]
+
+
+def prepare_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                        block_k: int | None = None) -> Int4Weight:
+    """Canonical tensors (after any concatenation along N) -> Int4Weight, on their device. block_k: the
+    kernel's K tile (default min(128, G)); larger tiles (256, 512 with G = 128) hold 2, 4 groups (at most 4)."""
+    K8, N = qweight.shape
+    K = K8 * 8
+    assert qweight.dtype == torch.int32, f"qweight must be int32, got {qweight.dtype}"
+    assert K % group_size == 0 and N % 8 == 0, f"K = {K}, N = {N}, group {group_size}"
+    assert scales.shape == zeros.shape == (K // group_size, N), \
+        f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} != {(K // group_size, N)}"
+    if block_k is None:
+        block_k = next((b for b in (128, 64, 32, 16) if group_size % b == 0), 8)
+    assert K % block_k == 0 and (group_size % block_k == 0 or
+                                 (block_k % group_size == 0 and group_size % (block_k // 4) == 0)), \
+        f"block_k {block_k} does not fit K = {K}, group {group_size}"
+    packed = shuffle_int4(qweight, block_k) if block_k > 8 else qweight.contiguous()
+    return Int4Weight(packed, scales.contiguous(), zeros.to(scales.dtype).contiguous(), group_size, block_k,
+                      torch.zeros(N, dtype=torch.int32, device=qweight.device))
+
+
+def dequantize_prepared(w: Int4Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """dequantize_int4 of a prepared weight, W [N, K] (PyTorch)."""
+    q = unshuffle_q(w.packed, w.block_k).float()
+    s = w.scales.float().t().repeat_interleave(w.group_size, dim=1)
+    z = w.zeros.float().t().repeat_interleave(w.group_size, dim=1)
+    return ((q - z) * s).to(dtype or w.scales.dtype)
+
+
+# ---- the kernels ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration of the GEMM kernel (BLOCK_K is the weight's block_k)."""
+    block_m: int = 16
+    block_n: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    magic: bool = True       # nibble -> float by mantissa OR (bf16 / fp16 activations only)
+    layout: int = 1          # the weight on the MMA's M side, from registers (the only layout since H200 run 98:
+                             # x on the M side with the unpacked weight via shared memory lost every 27B shape)
+
+
+# (M bucket, N, K) -> Config, from `benchmarks/bench_w4a16_gemm.py --sweep` on an H200; else config_for's rule
+TUNED: dict[tuple[int, int, int], Config] = {
+    # H200 run 98 (benchmarks/results/2026-12-04-h200-run98-w4a16-gemm, sweep-final.log), block_k 128, bf16,
+    # G = 128; bucket 8 = the M = 8 winner (M = 1's is the same but for attn_qkv: block_n 64, 25.3 us);
+    # stages x warps and (attn_qkv M = 8, 64; o/out) BLOCK_N x SPLIT_K were not searched (see the README)
+    (8, 34816, 5120): Config(block_m=16, block_n=128, split_k=4, num_warps=4, num_stages=3),
+    (64, 34816, 5120): Config(block_m=64, block_n=64, split_k=1, num_warps=4, num_stages=4),
+    (8, 5120, 17408): Config(block_m=16, block_n=64, split_k=8, num_warps=4, num_stages=3),
+    (64, 5120, 17408): Config(block_m=64, block_n=64, split_k=8, num_warps=4, num_stages=3),
+    (8, 16384, 5120): Config(block_m=8, block_n=128, split_k=4, num_warps=4, num_stages=3),
+    (64, 16384, 5120): Config(block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=5),
+    (8, 14336, 5120): Config(block_m=16, block_n=128, split_k=4, num_warps=4, num_stages=3),
+    (64, 14336, 5120): Config(block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=4),
+    (8, 5120, 6144): Config(block_m=16, block_n=64, split_k=8, num_warps=4, num_stages=2),
+    (64, 5120, 6144): Config(block_m=64, block_n=64, split_k=8, num_warps=4, num_stages=4),
+}
+
+
+def m_bucket(M: int) -> int:
+    return 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
+def config_for(M: int, N: int, K: int, device: torch.device) -> Config:
+    """The tuned config of (M bucket, N, K), else (the shape of the H200 sweeps' winners): the weight on the
+    MMA's M side, BLOCK_M 16 up to 16 rows (then the M bucket), BLOCK_N 64 up to 16 rows (else 128), and
+    split-K until the output tiles x splits cover the SMs 4 times (each split keeping >= 4 K tiles of 128)."""
+    bm = m_bucket(M)
+    if (bm, N, K) in TUNED:
+        return TUNED[(bm, N, K)]
+    bm = max(bm, 16)
+    bn = 64 if bm <= 16 else 128
+    tiles = -(-N // bn) * -(-M // bm)
+    split = 1
+    while tiles * split < 4 * _num_sms(device) and K // 128 >= 8 * split:
+        split *= 2
+    return Config(block_m=bm, block_n=bn, split_k=split, num_warps=4 if bm <= 64 else 8,
+                  num_stages=3 if bm <= 16 else 4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _unpack(words, S0: tl.constexpr, NS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
+                UPCAST: tl.constexpr, dtype: tl.constexpr):
+        """Shifts S0 .. S0 + NS - 1 (NS in 1, 2, 4) of words int32 [R, KW] (shuffle_int4's order) -> the
+        weights [R, 2 NS KW] in k order (column 2 ((s - S0) KW + i) + h = nibble s + 4h of word i), as floats
+        OFF + q. Marlin's conversion: (w >> 4s) & 0x000F000F | MAGIC:MAGIC (one lop3) is the float pair
+        (OFF + nibble s, OFF + nibble s + 4) in one 32-bit register, the pair of k that the MMA operand holds
+        in one register; the joins and reshapes only name the registers. OFF = 0: integer halves converted."""
+        R: tl.constexpr = words.shape[0]
+        KW: tl.constexpr = words.shape[1]
+        if NS == 4:
+            p = tl.join(tl.join(words >> (4 * S0), words >> (4 * S0 + 4)),
+                        tl.join(words >> (4 * S0 + 8), words >> (4 * S0 + 12)))          # [R, KW, b, a]: s = 2a + b
+            p = tl.reshape(tl.permute(p, (0, 3, 2, 1)), [R, 4 * KW])
+        elif NS == 2:
+            p = tl.join(words >> (4 * S0), words >> (4 * S0 + 4))                           # [R, KW, 2]
+            p = tl.reshape(tl.permute(p, (0, 2, 1)), [R, 2 * KW])
+        else:
+            p = words >> (4 * S0)
+        if OFF == 0:
+            p = p & 0x000F000F
+            qf = tl.reshape(tl.join(p & 0xFFFF, p >> 16), [R, 2 * NS * KW]).to(tl.float32 if UPCAST else dtype)
+        else:
+            if UPCAST:  # the interpreter runs no inline asm
+                p = (p & 0x000F000F) | (MAGIC_BITS * 65537)
+            else:       # one lop3 (the compiler emits an and and an or)
+                p = tl.inline_asm_elementwise(f"lop3.b32 $0, $1, 0x000F000F, {MAGIC_BITS * 65537}, 0xEA;", "=r,r",
+                                              [p], dtype=tl.int32, is_pure=True, pack=1)
+            qf = tl.reshape(tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)), [R, 2 * NS * KW]).to(dtype, bitcast=True)
+            if UPCAST:  # numpy has no bf16 matmul
+                qf = qf.to(tl.float32)
+        return qf
+
+    @triton.jit
+    def _load_groups(ptr, g0, N, rn, n_ok, GROUPS: tl.constexpr):
+        """Rows g0 .. g0 + GROUPS - 1 of a [K / G, N] tensor at columns rn, in fp32: [BLOCK_N] (GROUPS = 1),
+        [BLOCK_N, 2] or [BLOCK_N, 2, 2] (group g0 + 2a + b at [:, a, b]); _group takes one out."""
+        if GROUPS == 1:
+            v = tl.load(ptr + g0 * N + rn, mask=n_ok, other=0.0)
+        elif GROUPS == 2:
+            v = tl.load(ptr + (g0 + tl.arange(0, 2))[None, :] * N + rn[:, None], mask=n_ok[:, None], other=0.0)
+        else:
+            a = tl.arange(0, 2)
+            v = tl.load(ptr + (g0 + 2 * a[None, :, None] + a[None, None, :]) * N + rn[:, None, None],
+                        mask=n_ok[:, None, None], other=0.0)
+        return v.to(tl.float32)
+
+    @triton.jit
+    def _group(v, g: tl.constexpr, GROUPS: tl.constexpr):
+        """Group g of _load_groups's result: [BLOCK_N]."""
+        if GROUPS == 1:
+            r = v
+        else:
+            v0, v1 = tl.split(v)          # GROUPS 2: g = 0, 1; GROUPS 4: b = 0, 1
+            if g % 2 == 0:
+                r = v0
+            else:
+                r = v1
+            if GROUPS == 4:
+                r0, r1 = tl.split(r)      # a = 0, 1
+                if g // 2 == 0:
+                    r = r0
+                else:
+                    r = r1
+        return r
+
+    @triton.jit
+    def _mma(a, b, acc, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+                      M, N, K, G, stride_xm, stride_om, TILES_PER_SPLIT,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
+                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """Words in shuffle_int4's order (BLOCK_K = the weight's block_k). Per K tile: the [BLOCK_N, KW] words
+        (pipelined through shared memory, coalesced along N), then per group of the tile (GROUPS = BLOCK_K / G,
+        else 1) its 4 / GROUPS shifts unpacked to [BLOCK_N, BLOCK_K / GROUPS] weights in k order and one dot,
+        out^T = W x^T: the weight is the MMA's M side (the wgmma / mma.sync A operand straight from the unpacking
+        registers), the few x rows (x^T pipelined through shared memory) its N side. Zero and scale apply to the
+        fp32 product of a group: acc += (dot(q + OFF, x^T) - (zero + OFF) rowsum(x)) * scale, rowsum(x) being a
+        second dot with a ones operand (the tensor cores are idle at these M)."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        dtype = x_ptr.dtype.element_ty
+        KW: tl.constexpr = BLOCK_K // 8
+        KG: tl.constexpr = BLOCK_K // GROUPS
+        NS: tl.constexpr = 4 // GROUPS
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        i = tl.arange(0, KW)
+        kk = tl.arange(0, KG)
+        x_rows = x_ptr + rm.to(tl.int64) * stride_xm
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
+        t0 = pid_k * TILES_PER_SPLIT
+        t1 = tl.minimum(t0 + TILES_PER_SPLIT, K // BLOCK_K)
+        # scales and zeros are loaded a tile ahead (the compiler pipelines only the words and x, through
+        # shared memory): their DRAM latency would otherwise stall every tile
+        t_nx = tl.minimum(t0, t1 - 1)  # an empty split (t0 >= t1 = K / BLOCK_K) reads a valid row, unused
+        s_nx = _load_groups(s_ptr, (t_nx * BLOCK_K) // G, N, rn, n_ok, GROUPS)
+        z_nx = _load_groups(z_ptr, (t_nx * BLOCK_K) // G, N, rn, n_ok, GROUPS)
+        for t in range(t0, t1):
+            k0 = t * BLOCK_K
+            s_cur, z_cur = s_nx, z_nx
+            t_nx = tl.minimum(t + 1, t1 - 1)  # clamped: the last tile reloads, harmlessly
+            s_nx = _load_groups(s_ptr, (t_nx * BLOCK_K) // G, N, rn, n_ok, GROUPS)
+            z_nx = _load_groups(z_ptr, (t_nx * BLOCK_K) // G, N, rn, n_ok, GROUPS)
+            words = tl.load(qw_ptr + (k0 // 8 + i)[None, :] * N + rn[:, None], mask=n_ok[:, None], other=0)
+            for g in tl.static_range(GROUPS):
+                kg = k0 + g * KG
+                s = _group(s_cur, g, GROUPS)
+                z = _group(z_cur, g, GROUPS) + OFF
+                qf = _unpack(words, g * NS, NS, OFF, MAGIC_BITS, UPCAST, dtype)     # [BLOCK_N, KG]: k = kg + col
+                xv = tl.load(x_rows[None, :] + (kg + kk)[:, None], mask=m_ok[None, :], other=0.0)   # x^T [KG, BLOCK_M]
+                if UPCAST:
+                    xv = xv.to(tl.float32)
+                d = _mma(qf, xv, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+                # rowsum(x) by the idle tensor cores, in d's layout (no cross-thread reduction, no barrier)
+                xs = _mma(tl.full([BLOCK_N, KG], 1.0, qf.dtype), xv, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32),
+                          IEEE)
+                acc += (d - z[:, None] * xs) * s[:, None]
+        acc = tl.trans(acc)
+        mask = m_ok[:, None] & n_ok[None, :]
+        out = out_ptr + rm[:, None] * stride_om + rn[None, :]
+        if SPLIT_K == 1:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # fp32 partial to ws[pid_k]; the last of the tile's SPLIT_K programs sums them and resets the
+            # tile's counter to 0 for the next call
+            part = ws_ptr + rm[:, None] * N + rn[None, :]
+            tl.store(part + pid_k * M * N, acc, mask=mask)
+            tl.debug_barrier()
+            tile = pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for sk in range(SPLIT_K):  # in split order, whoever arrives last: deterministic bits
+                    other = tl.load(part + sk * M * N, mask=mask & (sk != pid_k), other=0.0, cache_modifier=".cg")
+                    total += tl.where(sk == pid_k, acc, other)
+                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+
+    @triton.jit
+    def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, G, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """W^T [K, N] = (q - z) * s in fp32, rounded to out's dtype (the reference's arithmetic); one K tile
+        of the shuffled words per program."""
+        KW: tl.constexpr = BLOCK_K // 8
+        k0 = tl.program_id(0) * BLOCK_K
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        i = tl.arange(0, KW)
+        words = tl.load(qw_ptr + (k0 // 8 + i)[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0)
+        j = tl.arange(0, 8)[:, None, None]
+        q = ((words[None, :, :] >> (4 * j)) & 0xF).to(tl.float32)           # [8, KW, BLOCK_N]
+        k = k0 + 2 * ((j % 4) * KW + i[None, :, None]) + j // 4             # [8, KW, 1]
+        g = (k0 + 2 * (j % 4) * KW) // G                                    # [8, 1, 1]: a nibble is in one group
+        s = tl.load(s_ptr + g * N + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + k.to(tl.int64) * N + rn[None, None, :], ((q - z) * s).to(out_ptr.dtype.element_ty),
+                 mask=(k >= 0) & n_ok[None, None, :])
+
+    _INTERPRETED = not isinstance(_w4a16_kernel, triton.runtime.JITFunction)
+else:
+    _INTERPRETED = False
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or (_INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """W^T [K, N] in `dtype` by the Triton kernel (equal to dequantize_int4(...).t())."""
+    K, N = w.in_features, w.out_features
+    out = torch.empty(K, N, dtype=dtype, device=w.packed.device)
+    _dequant_kernel[(K // w.block_k, triton.cdiv(N, 128))](w.packed, w.scales, w.zeros, out, N, w.group_size,
+                                                           BLOCK_K=w.block_k, BLOCK_N=128, num_warps=4)
+    return out
+
+
+def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config) -> torch.Tensor:
+    """The GEMM kernel on a 2-D, row-contiguous x [M, K] with config cfg."""
+    M, K = x2.shape
+    N, G, bk = w.out_features, w.group_size, w.block_k
+    groups = max(1, bk // G)
+    magic = cfg.magic and x2.dtype in (torch.bfloat16, torch.float16)
+    grid_n, grid_m = triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m)
+    split = min(cfg.split_k, K // bk)
+    if grid_n * grid_m > w.counters.numel():
+        split = 1
+    tiles = triton.cdiv(K // bk, split)
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
+    off, bits = ((128, 0x4300) if x2.dtype == torch.bfloat16 else (1024, 0x6400)) if magic else (0, 0)
+    assert cfg.layout == 1, f"layout {cfg.layout}: the kernel has one operand layout (1) since H200 run 98"
+    _w4a16_kernel[(grid_n, grid_m, split)](
+        x2, w.packed, w.scales, w.zeros, out, ws, w.counters, M, N, K, G, x2.stride(0), out.stride(0), tiles,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, GROUPS=groups, OFF=off,
+        MAGIC_BITS=bits,
+        UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: Config | None = None) -> torch.Tensor:
+    """x [..., K] -> x @ W.T [..., N] in x's dtype. CUDA: the Triton kernel for M < LARGE_M rows, the Triton
+    dequantize + cuBLAS from there; CPU: the reference. Graph-capturable: no host syncs, branches on
+    shapes only (M's config comes from its bucket)."""
+    K = x.shape[-1]
+    if not _use_triton(x) or w.block_k < 16:
+        return (x.float() @ dequantize_prepared(w, x.dtype).float().t()).to(x.dtype)
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M == 0:
+        return x.new_empty(*x.shape[:-1], w.out_features)
+    if M >= LARGE_M and config is None:
+        out = x2 @ dequantize_int4_t(w, x.dtype)
+    else:
+        out = w4a16_gemm_triton(x2, w, config or config_for(M, w.out_features, K, x.device))
+    return out.view(*x.shape[:-1], w.out_features)
