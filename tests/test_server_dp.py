@@ -157,7 +157,17 @@ def test_bad_model_is_a_one_line_error(tmp_path):
                         "--device", "cpu"], capture_output=True, text=True, timeout=180,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stderr
-    assert "sketchkv: error: replica 0 (cpu):" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # refused before any replica starts: the path is checked up front
+    assert r.stderr.startswith("sketchkv: error: ") and "missing: no such file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # a directory that exists but is no checkpoint: the replica's own load error, one line, names the replica
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, "-m", "sketchkv", "serve", str(tmp_path / "empty"), "--data-parallel", "2",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr
+    assert "sketchkv: error: replica 0 (cpu):" in r.stderr and "config.json" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
 
 
 def test_crashed_replica_fails_its_requests_and_shows_in_health(server):

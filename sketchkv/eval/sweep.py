@@ -95,24 +95,22 @@ def _base_configs(L: int, fracs: list[float], ranks: list[int], prod: dict, tier
 # ----------------------------------------------------------------------------------------------------------
 def resketch(layer, basis, mean) -> None:
     """Give a SparseAttention layer a basis of another rank: every cached key sketched again with it."""
-    import torch
     from sketchkv.ops.sketch import sketch_keys_ref
     nb, bs, H, D = layer.k_cache.shape
     packed, scale = sketch_keys_ref(layer.k_cache.reshape(-1, H, D), mean, basis)
     layer.basis, layer.mean, layer.rank = basis, mean, basis.shape[-1]
     layer.sketch = packed.view(nb, bs, H, -1).contiguous()
     layer.sketch_scale = scale.view(nb, bs, H).contiguous()
-    torch.set_num_threads(torch.get_num_threads())
 
 
-def teacher_force(llm, s) -> "torch.Tensor":
+def teacher_force(llm, s):
+    """The continuation's log-prob rows of the decode steps (row 0 comes from the prefill) [C - 1, vocab]."""
     rows = llm.teacher_force([s["prompt"]], [s["cont"]])[0]
     return rows[1:]
 
 
 class Run:
     def __init__(self, args):
-        import numpy as np  # noqa: F401
         self.args = args
         self.results = {"configs": {}, "lengths": {}}
         self.tokens = {}         # config name -> {sample key: per-token KL}

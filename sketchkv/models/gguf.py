@@ -14,6 +14,9 @@ import numpy as np
 import torch
 
 from sketchkv.errors import CheckpointError
+from sketchkv.layers.rotary import RotaryEmbedding
+from sketchkv.models.build import build_model
+from sketchkv.models.fuse import fuse_projections
 from sketchkv.models.model_config import ModelConfig
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -133,9 +136,6 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, torch.nn.Module]:
-    from sketchkv.layers.rotary import RotaryEmbedding
-    from sketchkv.models.fuse import fuse_projections
-    from sketchkv.models.loader import build_model
     cfg = gguf_config(path)
     r = open_gguf(path)
     bad = [t for t in r.tensors if t.tensor_type.name not in TENSOR_TYPES]
