@@ -2,13 +2,9 @@
 import torch, sys
 from sketchkv import LLM
 from sketchkv.config import default_model
-from sketchkv.eval.common import heldout_token_ids
-n, C = int(sys.argv[1]), 128
-ids = heldout_token_ids(default_model(), 2 * (n + C))
-prompts = [ids[:n], ids[n + C:2 * n + C]]
-conts = [ids[n:n + C], ids[2 * n + C:2 * n + 2 * C]]
-opts = dict(device="cpu", block_size=16, max_num_seqs=2, max_num_batched_tokens=4096, sparse=True,
-            sparse_top_k=max(128, n // 64), sparse_sink_tokens=64, sparse_recent_tokens=256, sparse_dense_threshold=0)
+from study_documents import held_out_documents
+n = int(sys.argv[1])   # prompt tokens; 128 teacher-forced tokens follow each
+prompts, conts, opts = held_out_documents(n)
 ref = LLM(default_model(), **opts).teacher_force(prompts, conts)
 for variant in ("raw", "all-dims", "non-rotary"):
     llm = LLM(default_model(), **opts, sparse_host_tier=True, sparse_host_format="int4")

@@ -8,15 +8,11 @@ import torch
 
 from sketchkv import LLM
 from sketchkv.config import default_model
-from sketchkv.eval.common import heldout_token_ids
+from study_documents import held_out_documents
 import sketchkv.ops.quant_kv as Q
 
-n, C = int(sys.argv[1]), 128
-ids = heldout_token_ids(default_model(), 2 * (n + C))
-prompts = [ids[:n], ids[n + C:2 * n + C]]
-conts = [ids[n:n + C], ids[2 * n + C:2 * n + 2 * C]]
-opts = dict(device="cpu", block_size=16, max_num_seqs=2, max_num_batched_tokens=4096, sparse=True,
-            sparse_top_k=max(128, n // 64), sparse_sink_tokens=64, sparse_recent_tokens=256, sparse_dense_threshold=0)
+n = int(sys.argv[1])   # prompt tokens; 128 teacher-forced tokens follow each
+prompts, conts, opts = held_out_documents(n)
 q_orig, dq_orig = Q.quantize_int4, Q.dequantize_int4
 
 
