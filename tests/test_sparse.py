@@ -639,7 +639,7 @@ def test_dense_layers_decode_every_token_and_only_the_first_ones(ckpt_with_basis
     llm = LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=dataclasses.replace(cfg, dense_layers=1))
     llm.generate(prompt_token_ids=prompt, sampling_params=sp)
     l0, l1 = llm.engine.runner.sparse_layers
-    assert (l0.layer_index, l1.layer_index) == (0, 1) and l0.dense_layer and not l1.dense_layer
+    assert (l0.layer, l1.layer) == (0, 1) and l0.dense_layer and not l1.dense_layer
     assert l1.last_indices[1].tolist() == [4 + 16 + 8]
     tier = LLM(ckpt_with_basis, device="cpu", block_size=16,
                sparse=dataclasses.replace(cfg, dense_layers=1, host_tier=True, host_format="bf16",

@@ -178,7 +178,7 @@ class ModelRunner:
                                          basis.means[j].to(self.device), self.dense_threshold)
             if sp.host_tier:
                 owner.attn = TieredAttention(owner.attn, j)
-            owner.attn.layer_index = j   # its index among the full-attention layers (sparse dense_layers)
+            owner.attn.layer = j   # its index among the full-attention layers (the tier's layer, dense_layers)
             if sp.verify_selection == "shared":  # verification rows read the first row's picks + their own tokens
                 owner.attn.verify_extra = self.cfg.num_speculative_tokens
 

@@ -28,7 +28,8 @@ def model_fingerprint(cfg: ModelConfig, model: torch.nn.Module) -> dict:
     """model_type + attention shapes + a hash of the full-attention K projections' weights."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
-        if name.endswith(("k_proj.weight", "k_proj.qweight")) and not name.startswith("mtp."):  # qweight: int4
+        # int4 layers: their scales, which keep the checkpoint's order (the packed words take the GEMM kernel's)
+        if name.endswith(("k_proj.weight", "k_proj.scales")) and not name.startswith("mtp."):
             # the first 256K weights of each (cheap, unique), rounded to bf16 so that a basis fitted with the
             # model loaded in fp32 also fits it loaded in bf16 (and the other way round)
             w = p.detach().reshape(-1)[:1 << 18].to(torch.bfloat16).float()

@@ -59,6 +59,7 @@ class SparseAttention(Attention):
         self.sketch_scale = torch.tensor([])  # [num_blocks, block_size, Hkv] fp16
         self.last_indices = None              # picks of the last decode step (for tests and stats)
         self.last_miss_estimate = None        # [B] (sparse miss_estimate): the candidates' mass the picks missed
+        self.layer = -1                       # index among the full-attention layers (set by the model runner)
         self.tensor_parallel = False          # our heads are one rank's share (parallel/tensor_parallel.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -77,12 +78,10 @@ class SparseAttention(Attention):
         return apply_sketch_base(x, slots, self.sketch, self.sketch_scale, self.mean, self.basis, sign, out,
                                  hits, pool_slots)
 
-    layer_index = -1   # among the full-attention layers (set by the model runner)
-
     @property
     def dense_layer(self) -> bool:
         """One of the first `dense_layers` full-attention layers: decodes over every token."""
-        return 0 <= self.layer_index < self.cfg.dense_layers
+        return 0 <= self.layer < self.cfg.dense_layers
 
     def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:
         if not sparse or self.dense_layer:

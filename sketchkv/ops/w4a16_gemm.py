@@ -162,13 +162,11 @@ class Config:
     num_warps: int = 4
     num_stages: int = 4
     magic: bool = True       # nibble -> float by mantissa OR (bf16 / fp16 activations only)
-    layout: int = 1          # the weight on the MMA's M side, from registers (the only layout since H200 run 98:
-                             # x on the M side with the unpacked weight via shared memory lost every 27B shape)
 
 
 # (M bucket, N, K) -> Config, from `benchmarks/bench_w4a16_gemm.py --sweep` on an H200; else config_for's rule
 TUNED: dict[tuple[int, int, int], Config] = {
-    # H200 run 98 (benchmarks/results/2026-12-04-h200-run98-w4a16-gemm, sweep-final.log), block_k 128, bf16,
+    # H200 run 98 (benchmarks/results/2026-12-04-h200-run98-w4a16-gemm/sweep-final/), block_k 128, bf16,
     # G = 128; bucket 8 = the M = 8 winner (M = 1's is the same but for attn_qkv: block_n 64, 25.3 us);
     # stages x warps and (attn_qkv M = 8, 64; o/out) BLOCK_N x SPLIT_K were not searched (see the README)
     (8, 34816, 5120): Config(block_m=16, block_n=128, split_k=4, num_warps=4, num_stages=3),
@@ -417,7 +415,6 @@ def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config) -> torch.Ten
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
     off, bits = ((128, 0x4300) if x2.dtype == torch.bfloat16 else (1024, 0x6400)) if magic else (0, 0)
-    assert cfg.layout == 1, f"layout {cfg.layout}: the kernel has one operand layout (1) since H200 run 98"
     _w4a16_kernel[(grid_n, grid_m, split)](
         x2, w.packed, w.scales, w.zeros, out, ws, w.counters, M, N, K, G, x2.stride(0), out.stride(0), tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, GROUPS=groups, OFF=off,
