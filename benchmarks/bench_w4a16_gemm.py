@@ -11,6 +11,14 @@ Int4 floor = max(int4 bytes (packed + scales + zeros) / HBM copy bandwidth, 2 M 
 both measured in the run. Prints us, GB/s of the method's weight bytes, % of the int4 floor, and per-step sums
 (gate_up x64, down x64, gdn_in x48, attn_qkv x16, o/out x64; no lm_head) against bf16.
 
+    python benchmarks/bench_w4a16_gemm.py --gemv --out benchmarks/results/DATE-w4a16-gemv  # small-M kernels
+
+--gemv: per shape and M in --gemv-rows (default 1 2 4 8): the tensor-core kernel (config_for / TUNED), the
+small-M CUDA-core kernel (_gemv_kernel) in a few GemvConfigs, and the load-only probe (the same grid and
+word loads, xor-reduced) with the best one's config; % of the int4 floor for the kernels, % of the words'
+copy-bandwidth time for the probe. Prints a GEMV_TUNED table and the M up to which the CUDA-core kernel
+wins on every shape (GEMV_MAX_M). Writes gemv.json / gemv.md into --out.
+
 --sweep: per (shape, M in --sweep-rows) a coordinate search over kernel configs (BLOCK_M,
 then BLOCK_N x SPLIT_K, then num_warps x num_stages), starting from config_for's rule (each stage keeps the
 best so far; ~27 configs per point; each stage's new kernels are compiled first by --workers processes into
@@ -33,7 +41,8 @@ from benchmarks.bench_sparse_ops import graphed  # noqa: E402
 from benchmarks.bench_weight_gemms import replay_us  # noqa: E402
 from sketchkv.bench.floor import hbm_bandwidth  # noqa: E402
 from sketchkv.ops import w4a16_gemm as wg  # noqa: E402
-from sketchkv.ops.w4a16_gemm import Config, config_for, dequantize_int4_t, pack_int4, prepare_int4_weight  # noqa: E402
+from sketchkv.ops.w4a16_gemm import (Config, GemvConfig, config_for, dequantize_int4_t, gemv_config_for,  # noqa: E402
+                                     pack_int4, prepare_int4_weight)
 
 SHAPES = {"gate_up": (5120, 34816, 64), "down": (17408, 5120, 64), "gdn_in": (5120, 16384, 48),
           "attn_qkv": (5120, 14336, 16), "o/out": (6144, 5120, 64)}  # name: (K, N, calls per 27B step)
@@ -113,6 +122,8 @@ def _compile_one(job) -> str:
                           torch.zeros(K // G, N, dtype=torch.bfloat16, device=dev), G, block_k,
                           torch.zeros(N, dtype=torch.int32, device=dev))
         wg.w4a16_matmul(torch.zeros(M, K, dtype=torch.bfloat16, device=dev), w, cfg)
+        if isinstance(cfg, GemvConfig):
+            wg.gemv_load_probe(w, cfg)
         torch.cuda.synchronize()
         return ""
     except Exception as e:  # the timing process reports it
@@ -167,6 +178,100 @@ def sweep(points, workers):
     return best, best_us
 
 
+def gemv_candidates(M, N, K, dev):
+    """The default GemvConfig and a few around it (all spill-free on sm_90 at M <= 4): half the splits, half
+    the columns per program (same per thread: more programs), and at M = 1 8 columns per thread with 4-row
+    chunks (135 registers: more programs per SM)."""
+    base = gemv_config_for(M, N, K, dev)
+    cands = [base, replace(base, split_k=max(1, base.split_k // 2))]
+    if base.num_warps > 1:
+        cands.append(replace(base, block_n=base.block_n // 2, num_warps=base.num_warps // 2))
+    if M == 1:
+        cands.append(GemvConfig(block_n=512, rows=4, split_k=base.split_k, num_warps=2))
+    return list(dict.fromkeys(cands))
+
+
+def gemv_main(args, bw):
+    """--gemv: tensor-core kernel vs the small-M CUDA-core kernel vs its load-only probe."""
+    dev = torch.device("cuda")
+    rows, best_cfg = [], {}
+    jobs = []  # every kernel variant, compiled first by --workers processes into Triton's disk cache
+    for name in args.shapes:
+        K, N, _ = SHAPES[name]
+        G = args.group if args.group > 0 else K
+        bk = args.block_k or next((b for b in (128, 64, 32, 16) if G % b == 0), 8)
+        for M in args.gemv_rows:
+            jobs += [(K, N, M, G, bk, c) for c in [config_for(M, N, K, dev)] + (
+                gemv_candidates(M, N, K, dev) if 16 <= bk <= G else [])]
+    if args.workers > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(max_workers=min(args.workers, len(jobs)), mp_context=mp.get_context("spawn")) as ex:
+            errs = [e for e in ex.map(_compile_one, jobs) if e]
+        print(f"compiled {len(jobs)} variants" + (f"; errors: {errs[:3]}" if errs else ""), flush=True)
+    for name in args.shapes:
+        K, N, calls = SHAPES[name]
+        G = args.group if args.group > 0 else K
+        w, wbf = make_weight(K, N, G, args.block_k)
+        copies = clones(w, max(2, int(args.l2_bytes // int4_bytes(w))))
+        floor_us = int4_bytes(w) / bw * 1e6
+        words_us = w.packed.numel() * 4 / bw * 1e6
+        for M in args.gemv_rows:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ wbf.float().t()
+            tc_cfg = config_for(M, N, K, dev)
+            check(wg.w4a16_matmul(x, w, tc_cfg), ref, f"{name} M={M} tc")
+            tc = time_us(lambda W: wg.w4a16_matmul(x, W, tc_cfg), copies, 5)
+            gv = {}
+            if wg.gemv_supported(w):
+                for cfg in gemv_candidates(M, N, K, dev):
+                    try:
+                        check(wg.w4a16_matmul(x, w, cfg), ref, f"{name} M={M} {cfg}")
+                        gv[cfg] = time_us(lambda W: wg.w4a16_matmul(x, W, cfg), copies, 5)
+                    except Exception as e:  # report, keep going (a failed check is a wrong kernel: say so loudly)
+                        print(f"  {name} M={M} {cfg}: FAILED {str(e).splitlines()[0][:160]}", flush=True)
+                        if "illegal" in str(e) or "CUDA error" in str(e):
+                            raise
+            row = dict(shape=name, K=K, N=N, calls=calls, M=M, floor_us=floor_us, words_floor_us=words_us,
+                       tc=dict(us=tc, of_floor=floor_us / tc, config=tc_cfg.__dict__),
+                       gemv=[dict(us=us, of_floor=floor_us / us, config=c.__dict__) for c, us in gv.items()])
+            if gv:
+                cfg, us = min(gv.items(), key=lambda kv: kv[1])
+                best_cfg[(M, N, K)] = (cfg, us, tc)
+                probe_us = time_us(lambda W: wg.gemv_load_probe(W, cfg), copies, 5)
+                row.update(best=dict(us=us, of_floor=floor_us / us, config=cfg.__dict__),
+                           probe=dict(us=probe_us, of_words_floor=words_us / probe_us))
+            rows.append(row)
+            b, pr = row.get("best"), row.get("probe")
+            print(f"{name:8s} {K:5d}->{N:<5d} M={M:<3d} floor {floor_us:6.1f} us | tc {tc:6.1f} us {floor_us / tc:4.0%}"
+                  + (f" | gemv {b['us']:6.1f} us {b['of_floor']:4.0%} | probe {pr['us']:6.1f} us "
+                     f"{pr['of_words_floor']:4.0%} of words/copy-bw | {cfg}" if b else " | gemv n/a"), flush=True)
+        del copies
+        torch.cuda.empty_cache()
+    wins = {M: all(r["best"]["us"] < r["tc"]["us"] for r in rows if r["M"] == M and "best" in r) for M in args.gemv_rows}
+    max_m = 0
+    for M in sorted(args.gemv_rows):
+        if not wins[M]:
+            break
+        max_m = M
+    md = [f"# W4A16 small-M kernels, {torch.cuda.get_device_name()}, group {args.group}; HBM copy {bw / 1e9:.0f} GB/s",
+          "us (% of int4 floor = packed + scales + zeros at copy bandwidth); probe: % of packed words at copy bandwidth",
+          "", "| shape | M | floor | tensor-core | gemv best | probe | gemv config |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, pr = r.get("best"), r.get("probe")
+        md.append(f"| {r['shape']} | {r['M']} | {r['floor_us']:.1f} | {r['tc']['us']:.1f} ({r['tc']['of_floor']:.0%}) | "
+                  + (f"{b['us']:.1f} ({b['of_floor']:.0%}) | {pr['us']:.1f} ({pr['of_words_floor']:.0%}) | "
+                     f"{GemvConfig(**b['config'])} |" if b else "- | - | - |"))
+    md += ["", f"CUDA-core kernel faster on every shape for M <= {max_m} (GEMV_MAX_M = {max_m})"]
+    print("\nGEMV_TUNED = {\n" + "".join(f"    {k}: {c},\n" for k, (c, us, tc) in best_cfg.items() if us < tc) + "}")
+    print("\n" + "\n".join(md))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "group": args.group, "rows": rows,
+                   "gemv_max_m": max_m}, open(os.path.join(args.out, "gemv.json"), "w"), indent=1)
+        open(os.path.join(args.out, "gemv.md"), "w").write("\n".join(md) + "\n")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512, 2048], help="activation rows M")
@@ -179,10 +284,18 @@ def main():
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                    help="processes compiling each sweep stage's kernels in parallel")
+    p.add_argument("--gemv", action="store_true", help="only: tensor-core vs small-M CUDA-core kernel vs load probe")
+    p.add_argument("--gemv-rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--out", default=None, help="directory for results.json, results.md (and sweep.json)")
     args = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
+    if args.gemv:
+        if args.l2_bytes == 2e9:
+            args.l2_bytes = 1e9  # 20x the L2 is enough, and halves the setup
+        bw = hbm_bandwidth(dev, 1.0)
+        print(f"{torch.cuda.get_device_name()}: HBM copy {bw / 1e9:.0f} GB/s", flush=True)
+        return gemv_main(args, bw)
     bw, tc = hbm_bandwidth(dev, 1.0), tensor_core_rate()
     print(f"{torch.cuda.get_device_name()}: HBM copy {bw / 1e9:.0f} GB/s, bf16 tensor cores {tc / 1e12:.0f} TFLOP/s",
           flush=True)

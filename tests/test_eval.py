@@ -93,6 +93,18 @@ def test_kld_end_to_end(setup, capsys):
     rc = cli_main(["eval", "kld", data, "--model", path, "--candidate", SMALL, "--candidate", FULL,
                    "--baseline", "nope", "--out-dir", out, *ENGINE])
     assert rc != 0 and "--baseline 'nope' must name one of at least two candidates" in capsys.readouterr().err
+    _replots_into_out_dir(os.path.join(out, "kld.json"), "kld", root)
+
+
+def _replots_into_out_dir(json_path: str, cmd: str, root) -> None:
+    """--from-json with --out-dir writes the Markdown and plot there, and leaves the ones beside the JSON alone."""
+    md = json_path[:-len(".json")] + ".md"
+    before, mtime = open(md).read(), os.path.getmtime(md)
+    other = str(root / f"replot-{cmd}")
+    assert cli_main(["eval", cmd, "--from-json", json_path, "--out-dir", other]) == 0
+    for ext in ("json", "md", "png"):
+        assert os.path.getsize(os.path.join(other, f"{cmd}.{ext}")) > 0
+    assert open(os.path.join(other, f"{cmd}.md")).read() == before and os.path.getmtime(md) == mtime
 
 
 def test_recall_end_to_end(setup):
@@ -114,6 +126,7 @@ def test_recall_end_to_end(setup):
         for c in e["generate_check"]:  # teacher-forced exact match == real greedy generation
             assert c["teacher_forced_exact"] == c["generate_exact"]
     assert all(d["answer_tokens"] > 0 for d in r["documents"].values())
+    _replots_into_out_dir(os.path.join(out, "recall.json"), "recall", root)
 
 
 def test_agents_end_to_end(setup):
@@ -314,3 +327,18 @@ def test_sweep_end_to_end_one_prefill_many_selections(setup):
     est = r["configs"]["sketch8-shared-k32"]["miss_estimate"]["512-0"]
     assert 0 < est["mean"] <= 1 and len(est["per_layer_mean"]) == 2
     assert r["configs"]["sketch8-shared-k2048"]["miss_estimate"]["512-0"]["mean"] < 1e-6   # nothing left out
+    # adaptive k per layer from those estimates, at equal rows: each layer's k recorded, their mean the k
+    r = sweep.main([data, "--model", path, "--basis", f"8={os.path.join(path, 'key_basis.safetensors')}",
+                    "--lengths", "512", "--samples", "1", "--continuation", "8", "--k-fracs", "0.0625", "--sinks", "4",
+                    "--recent", "16", "--tier-formats",
+                    "--layer-k", os.path.join(out, "sweep.json") + ":sketch8-shared-k32",
+                    "--only", r"^sketch8-shared-k32\+lk$", "--out-dir", out, "--name", "lk"])
+    e = r["configs"]["sketch8-shared-k32+lk"]
+    assert sum(e["layer_k"]) == 2 * 32 and e["by_length"]["512"]["kl_mean"] > 1e-6
+
+
+def test_layer_k_keeps_the_total_and_follows_the_weights():
+    from sketchkv.eval.sweep import layer_k
+    ks = layer_k(128, [0.8, 0.2, 0.4, 0.4, 0.05])
+    assert sum(ks) == 5 * 128 and ks[0] > ks[2] == ks[3] > ks[1] > ks[4] >= 32
+    assert layer_k(64, [0.3] * 4) == [64] * 4

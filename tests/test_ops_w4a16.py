@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sketchkv.ops import w4a16_gemm as wg
-from sketchkv.ops.w4a16_gemm import (LARGE_M, Config, dequantize_int4, dequantize_int4_t, pack_int4,
+from sketchkv.ops.w4a16_gemm import (LARGE_M, Config, GemvConfig, dequantize_int4, dequantize_int4_t, pack_int4,
                                      prepare_int4_weight, unpack_int4, w4a16_matmul, w4a16_matmul_reference)
 from conftest import run_interpreter_tests
 
@@ -192,6 +192,68 @@ def test_interp_large_m_dequantizes_then_matmuls():
                                rtol=1e-5, atol=1e-5)
 
 
+def _gemv_tol(dtype):
+    # the output cast as _bf16_tol, plus the kernel's fp32 offset: byte b's lo nibble sits 2^-15 below the
+    # float's leading 2^15, so each FFMA rounds ~2^15 x 2^-24 |x| (~2e-4 of the output's rms over K terms)
+    return {torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2), torch.float16: dict(rtol=2e-3, atol=4e-3),
+            torch.float32: dict(rtol=1e-3, atol=3e-3)}[dtype]
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype,G,sym", [(BF16, 32, False), (BF16, 64, True), (BF16, 128, False), (FP16, 32, True),
+                                         (FP16, 128, False), (FP32, 64, False), (FP32, 128, True)])
+def test_interp_gemv_matches_reference(dtype, G, sym):
+    """The small-M CUDA-core kernel: rows 1, 3 (a padded BLOCK_M), 8, 16; N = 40 (partial column tiles); K
+    tiles min(128, G) split 3 ways (uneven for G = 32: 16 tiles) and 6 ways over K = 512 / G (G = 128: 4
+    tiles, 1 per split, 2 splits empty; G = 64: 8 tiles, 2 per split, the last empty) and unsplit; row
+    chunks of 2 and 4 (G = 32: the whole 4-row tile); 16-bit x read as pairs, fp32 x per element."""
+    N, K = 40, 512
+    q, s, z = random_int4(N, K, G, dtype, sym, seed=G + sym)
+    w = prepare_int4_weight(pack_int4(q), s, z, G)
+    assert wg.gemv_supported(w)
+    configs = [GemvConfig(block_n=32, rows=2, split_k=3, num_warps=1),
+               GemvConfig(block_n=64, rows=4, split_k=6, num_warps=1),
+               GemvConfig(block_n=32, rows=2, split_k=1, num_warps=1)]
+    for M in (1, 3, 8, 16):
+        x = torch.randn(M, K, dtype=dtype)
+        want = exact(x, q, s, z, G)
+        for cfg in configs if M in (1, 3) else configs[:1]:
+            got = w4a16_matmul(x, w, cfg)
+            assert got.dtype == dtype and got.shape == (M, N)
+            torch.testing.assert_close(got.float(), want, **_gemv_tol(dtype), msg=lambda m: f"M={M} {cfg}: {m}")
+    assert not w.counters.any(), "split-K left a tile counter set"
+
+
+@needs_interp
+def test_interp_gemv_dispatch_switch_and_fallback(monkeypatch):
+    """GEMV_MAX_M routes small M to the CUDA-core kernel (same bits as asking for it, leading dims kept);
+    weights whose K tiles span several groups (block_k > G) stay on the tensor-core kernel; the load probe
+    xors the same words the kernel reads."""
+    q, s, z = random_int4(64, 256, 128, torch.bfloat16, seed=9)
+    w = prepare_int4_weight(pack_int4(q), s, z, 128)
+    x = torch.randn(2, 1, 256, dtype=torch.bfloat16)
+    monkeypatch.setattr(wg, "GEMV_MAX_M", 2)
+    monkeypatch.setattr(wg, "GEMV_TUNED", {(2, 64, 256): GemvConfig(block_n=32, rows=4, split_k=2, num_warps=1)})
+    got = w4a16_matmul(x, w)
+    assert torch.equal(got.view(2, 64), wg.w4a16_gemv_triton(x.view(2, 256), w, wg.GEMV_TUNED[(2, 64, 256)]))
+    torch.testing.assert_close(got.float(), exact(x.view(2, 256), q, s, z, 128).view(2, 1, 64), **_gemv_tol(BF16))
+    q2, s2, z2 = random_int4(64, 512, 32, torch.bfloat16, seed=10)
+    w2 = prepare_int4_weight(pack_int4(q2), s2, z2, 32, block_k=128)
+    assert not wg.gemv_supported(w2)
+    x2 = torch.randn(1, 512, dtype=torch.bfloat16)
+    torch.testing.assert_close(w4a16_matmul(x2, w2).float(), exact(x2, q2, s2, z2, 32), **_bf16_tol(BF16))
+    cfg = GemvConfig(block_n=32, rows=2, split_k=3, num_warps=1)
+    probe = wg.gemv_load_probe(w, cfg)
+    want = []  # program (n tile, split) at split * n tiles + n tile: 2 splits of one 16-row K tile each
+    for sk in range(2):
+        for nt in range(2):
+            v = 0
+            for word in w.packed[16 * sk:16 * (sk + 1), 32 * nt:32 * (nt + 1)].flatten().tolist():
+                v ^= word
+            want.append(v)
+    assert probe.tolist() == want
+
+
 def test_interpreter_child():
     run_interpreter_tests(__file__, wg._INTERPRETED)
 
@@ -248,6 +310,52 @@ def test_gpu_tiles_spanning_several_groups(G, block_k):
         for cfg in (None, Config(block_m=16, block_n=128, split_k=4, magic=False)) if M < 512 else (None,):
             _check_gpu(w4a16_matmul(x, w, cfg), x, q, s, z, G)
     assert not w.counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(SHAPES_27B))
+def test_gpu_gemv_27b_shapes_match_reference(name):
+    """The small-M CUDA-core kernel at the 27B shapes, its default config and a few others (split-K with empty
+    splits: 40 K tiles in 16; unsplit; 8 and 16 columns per thread), asym G = 128 and sym G = 32."""
+    K, N = SHAPES_27B[name]
+    for G, sym in ((128, False), (32, True)):
+        q, s, z = random_int4(N, K, G, torch.bfloat16, sym, device="cuda", seed=3)
+        w = prepare_int4_weight(pack_int4(q), s, z, G)
+        for M in (1, 2, 4, 8, 16):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            cfgs = [wg.gemv_config_for(M, N, K, x.device)]
+            if M <= 2:
+                cfgs += [GemvConfig(block_n=512, rows=4, split_k=16, num_warps=2),
+                         GemvConfig(block_n=1024, rows=2, split_k=1, num_warps=2)]
+            for cfg in cfgs:
+                _check_gpu(w4a16_matmul(x, w, cfg), x, q, s, z, G)
+        assert not w.counters.any()
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_cuda_graph_replay_is_deterministic():
+    """Under a CUDA graph the split-K kernel gives the eager call's bits (splits summed in order)."""
+    K, N = SHAPES_27B["down"]
+    q, s, z = random_int4(N, K, 128, torch.bfloat16, device="cuda", seed=4)
+    w = prepare_int4_weight(pack_int4(q), s, z, 128)
+    for M in (1, 2, 8):
+        cfg = wg.gemv_config_for(M, N, K, torch.device("cuda"))
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            w4a16_matmul(x, w, cfg)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = w4a16_matmul(x, w, cfg)
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            _check_gpu(out, x, q, s, z, 128)
+            assert torch.equal(out, w4a16_matmul(x, w, cfg)), M
+        assert not w.counters.any(), M
 
 
 @pytest.mark.gpu

@@ -660,6 +660,75 @@ def test_missed_mass_estimate_is_the_candidates_mass_outside_the_picks():
     assert missed_mass_estimate(none, torch.full((1, 1, 2), SENTINEL, dtype=torch.int32)).tolist() == [0.0]
 
 
+def _miss_run(eng, prompts, max_tokens):
+    """Run prompts (the first prefilled alone, the others joining while it decodes: mixed steps) -> the engine's
+    per-sequence, per-step missed-mass estimates, and each step's layers' own estimates [(rows of [layers])]."""
+    raw = []
+    for p, n in zip(prompts, max_tokens):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        eng.step()
+    while eng.has_unfinished:
+        eng.step()
+        raw.append(torch.stack([m.last_miss_estimate.float().cpu() for m in eng.miss_layers]).T)
+    return list(eng.miss_estimates), raw
+
+
+def test_miss_estimate_recorded_per_sequence_and_step(ckpt_with_basis, eager_graphs):
+    """sparse miss_estimate: after every step the engine holds one estimate per decoded sequence (the mean over the
+    selecting layers of what each computed); dense_layers are left out; graph steps (emulated on CPU) write the same
+    persistent buffers, which capture allocated once. Off: nothing recorded, no buffers."""
+    cfg = SparseConfig(sparse=True, top_k=16, sink_tokens=4, recent_tokens=8, dense_threshold=0, miss_estimate=True)
+    prompts, max_tokens = [_prompt(300, 41), _prompt(200, 42)], [7, 4]
+    eng = LLM(ckpt_with_basis, device="cpu", block_size=16, max_num_seqs=2, sparse=cfg).engine
+    got, raw = _miss_run(eng, prompts, max_tokens)
+    assert len(got) == sum(n - 1 for n in max_tokens)         # the first token of each comes from its prefill
+    assert all(0 < x < 1 for x in got)
+    assert torch.allclose(torch.tensor(got[-3:]), torch.cat(raw)[-3:].mean(1))   # the last steps: one sequence
+    one = LLM(ckpt_with_basis, device="cpu", block_size=16, max_num_seqs=2,
+              sparse=dataclasses.replace(cfg, dense_layers=1)).engine
+    assert [m.layer for m in one.miss_layers] == [1]
+    graphed = LLM(ckpt_with_basis, device="cpu", block_size=16, max_num_seqs=2, sparse=cfg).engine
+    r = eager_graphs(graphed.runner)
+    bufs = [m.miss_rows for m in graphed.miss_layers]
+    assert all(b.shape == (2,) for b in bufs)                 # sized by the largest graph's warm-up, before capture
+    assert _miss_run(graphed, prompts, max_tokens)[0] == pytest.approx(got, abs=1e-5)
+    assert all(m.miss_rows is b for m, b in zip(graphed.miss_layers, bufs))
+    assert sum(type(g).count for g in r.graphs.values()) > 0
+    off = LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=dataclasses.replace(cfg, miss_estimate=False)).engine
+    off.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while off.has_unfinished:
+        off.step()
+    assert off.miss_layers == [] and not off.miss_estimates
+    assert all(m.miss_rows.numel() == 0 for m in off.runner.sparse_layers)
+
+
+@pytest.mark.gpu
+def test_gpu_miss_estimate_under_cuda_graphs_matches_eager(tmp_path):
+    """Real CUDA graphs: the per-step estimates the engine reads after graph replays (batch buckets 2 and 1) are
+    the eager steps' (a tensor made fresh inside a capture would hold the capture's values on every replay)."""
+    from conftest import make_checkpoint
+    from sketchkv.kv.fit_basis import fit_basis
+    path = str(tmp_path / "qwen3")   # no GDN layers: no fla on the GPU
+    make_checkpoint(path, "qwen3", hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                    num_hidden_layers=3, max_position_embeddings=4096)
+    calib = os.path.join(path, "calib.txt")
+    with open(calib, "w") as f:
+        f.write("".join(chr(c) for c in torch.randint(32, 127, (8000,), generator=torch.Generator().manual_seed(5))))
+    fit = LLM(path, device="cuda", enforce_eager=True, max_num_seqs=2, max_model_len=4096, gpu_memory_utilization=0.2)
+    fit_basis(fit, [calib], rank=16, max_tokens=4000, seq_len=2048, out=os.path.join(path, "key_basis.safetensors"))
+    del fit
+    opts = dict(device="cuda", max_num_seqs=4, max_model_len=4096, gpu_memory_utilization=0.2, sparse=True,
+                sparse_top_k=32, sparse_sink_tokens=4, sparse_recent_tokens=16, sparse_dense_threshold=0,
+                sparse_miss_estimate=True)
+    prompts, max_tokens = [_prompt(900, 43), _prompt(400, 44)], [10, 5]
+    eager = _miss_run(LLM(path, enforce_eager=True, **opts).engine, prompts, max_tokens)[0]
+    eng = LLM(path, **opts).engine
+    assert eng.runner.graphs
+    graphed = _miss_run(eng, prompts, max_tokens)[0]
+    assert len(eager) == 13 and len(set(eager)) > 5
+    assert graphed == pytest.approx(eager, abs=2e-3)
+
+
 def test_decode_rows_in_mixed_steps_stay_sparse(ckpt_with_basis, monkeypatch):
     """Continuous batching: while one prompt prefills in chunks, another sequence's decode rows take
     the sparse path (not a dense prefill-style pass), and give the tokens they give alone."""

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,11 @@ class LLMEngine:
         self.rng.manual_seed(cfg.seed)
         self.requests: dict[str, Sequence] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        # sparse miss_estimate: the selecting layers, and per decoded sequence and step the layers' mean estimate
+        # (drained by the server's metrics; bounded, so an engine without a reader does not grow)
+        self.miss_layers = [m for m in getattr(self.runner, "sparse_layers", []) if not m.dense_layer] \
+            if cfg.sparse.sparse and cfg.sparse.miss_estimate else []
+        self.miss_estimates: deque[float] = deque(maxlen=4096)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device). Idempotent."""
@@ -197,6 +203,8 @@ class LLMEngine:
         with self.phase("runner.run"):
             out = self.runner.run(batch)
         if isinstance(out, SampleOutput):
+            if self.miss_layers:
+                self._read_miss_estimates(batch, starts)
             out = VerifyOutput.from_sample(out)
             with self.phase("engine.after_step"):
                 self._after_run(batch)
@@ -272,6 +280,18 @@ class LLMEngine:
         self.stats["steps"] += 1
         self.stats["prefix_cache_queries"] = self.scheduler.prefix_queries
         self.stats["prefix_cache_hits"] = self.scheduler.prefix_hits
+
+    def _read_miss_estimates(self, batch, starts: list[int]) -> None:
+        """The step's missed-mass estimates, mean over the layers that selected, per decoded sequence. Read after
+        sampling has synchronised with the device: one small copy, no stall (speculative steps are not recorded)."""
+        rows = sum(1 for (seq, n), s in zip(batch, starts) if n == 1 and s > 0)   # the decode rows, in row order
+        if not rows or any(m.miss_rows.shape[0] < rows for m in self.miss_layers):
+            return
+        est = torch.stack([m.miss_rows[:rows] for m in self.miss_layers]).cpu()   # [layers, rows]; -1: read all
+        for col in est.T:
+            picked = col[col >= 0]
+            if len(picked):
+                self.miss_estimates.append(float(picked.mean()))
 
     # ---- host tier -----------------------------------------------------------------------------
     def tier_stats(self):

@@ -376,7 +376,8 @@ class ModelRunner:
         blocks = int(free // self.kv_bytes_per_block)
         if blocks < 2:
             raise CapacityError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free after weights and "
-                                f"activations at gpu_memory_utilization={self.cfg.cache.gpu_memory_utilization})")
+                                f"activations at gpu_memory_utilization={self.cfg.cache.gpu_memory_utilization}; "
+                                f"{self.memory_report})")
         return blocks
 
     def _free_gpu_bytes(self) -> int:
@@ -397,11 +398,17 @@ class ModelRunner:
         self.tier = None
         torch.cuda.empty_cache()
         free_now, total = torch.cuda.mem_get_info(self.device)
-        activations = peak - warm_bytes - torch.cuda.memory_allocated(self.device)
+        held = torch.cuda.memory_allocated(self.device)
+        activations = peak - warm_bytes - held
+        share = total * self.cfg.cache.gpu_memory_utilization - (peak - warm_bytes)
         # Our share of the card, but never more than is free now: another process (or another engine in
         # this one) may hold part of it. 1 GiB stays free for CUDA graphs and the allocator's slack.
-        return int(min(total * self.cfg.cache.gpu_memory_utilization - (peak - warm_bytes),
-                       free_now - activations - 2**30))
+        left = free_now - activations - 2**30
+        G = 2**30
+        self.memory_report = (f"card {total / G:.1f} GiB, {free_now / G:.1f} free; this engine holds {held / G:.2f} "
+                              f"(weights), its warm-up prefill of {n_tok} tokens peaked at {activations / G:.2f} "
+                              f"above that: share {share / G:.1f}, free after activations {left / G:.1f}")
+        return int(min(share, left))
 
     # ---- batch -> tensors ----------------------------------------------------------------------
     def _context(self, batch: list[tuple[Sequence, int]]):

@@ -52,12 +52,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     if args.from_json:
-        return C.replot(args.from_json, markdown, plot)
+        return C.replot(args.from_json, markdown, plot, args.out_dir)
     prune = None if args.no_prune else {"sinks": args.prune_sinks, "top_k": args.prune_top_k,
                                         "recent": args.prune_recent, "window": args.prune_window,
                                         "pool": args.prune_pool, "shared": args.prune_shared}
     return run_agents(args.model, args.data, args.lengths, args.samples, args.turns, args.kinds, args.candidate,
-                      args.registry, prune, args.seed, args.out_dir, args.name, C.base_options(args), quiet=args.quiet)
+                      args.registry, prune, args.seed, args.out_dir or "eval-results", args.name, C.base_options(args),
+                      quiet=args.quiet)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -170,7 +170,8 @@ def add_common_args(p: argparse.ArgumentParser, default_name: str) -> None:
                         "engine option, `sparse_` prefix optional; repeatable; 'default' = the seed's sparse knobs "
                         "scaled to the model, which is also what runs when no --candidate is given)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document sampling (same seed, same documents)")
-    p.add_argument("--out-dir", default="eval-results", help="where NAME.json / NAME.md / NAME.png go")
+    p.add_argument("--out-dir", default=None, help="where NAME.json / NAME.md / NAME.png go (default: eval-results; "
+                                                  "with --from-json, beside that file)")
     p.add_argument("--name", default=default_name, help=f"output file stem (default: {default_name})")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--from-json", metavar="NAME.json", help="run nothing: rewrite NAME.md / NAME.png from a saved "
@@ -461,14 +462,14 @@ def save_partial(results: dict, out_dir: str, name: str) -> None:
     write_json(os.path.join(out_dir, name + ".json"), {**results, "partial": True})
 
 
-def replot(json_path: str, markdown_fn, plot_fn) -> dict:
-    """Rewrite NAME.md and NAME.png next to a saved NAME.json (no model run)."""
+def replot(json_path: str, markdown_fn, plot_fn, out_dir: str | None = None) -> dict:
+    """Rewrite NAME.md and NAME.png (and NAME.json) in out_dir, default beside the saved NAME.json (no model run)."""
     if not os.path.isfile(json_path):
         raise SketchKVError(f"{json_path}: no such file")
     with open(json_path) as f:
         results = json.load(f)
     results.pop("partial", None)
-    out_dir = os.path.dirname(os.path.abspath(json_path))
+    out_dir = out_dir or os.path.dirname(os.path.abspath(json_path))
     name = os.path.splitext(os.path.basename(json_path))[0]
     paths = write_outputs(results, out_dir, name, markdown_fn, plot_fn)
     log(f"rewrote {paths['md']} and {paths['png']} from {json_path}")

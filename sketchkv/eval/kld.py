@@ -55,10 +55,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     if args.from_json:
-        return C.replot(args.from_json, markdown, plot)
+        return C.replot(args.from_json, markdown, plot, args.out_dir)
     return run_kld(args.model, args.data, args.lengths, args.continuation, args.samples, args.candidate,
-                   args.floor or ["batch+chunk"], args.floor_batch, args.floor_chunk, args.seed, args.out_dir,
-                   args.name, C.base_options(args), quiet=args.quiet, baseline=args.baseline)
+                   args.floor or ["batch+chunk"], args.floor_batch, args.floor_chunk, args.seed,
+                   args.out_dir or "eval-results", args.name, C.base_options(args), quiet=args.quiet, baseline=args.baseline)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -42,9 +42,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     if args.from_json:
-        return C.replot(args.from_json, markdown, plot)
+        return C.replot(args.from_json, markdown, plot, args.out_dir)
     return run_recall(args.model, args.data, args.lengths, args.samples, args.kinds, args.candidate, args.registry,
-                      args.seed, args.out_dir, args.name, C.base_options(args), args.check_generate, quiet=args.quiet)
+                      args.seed, args.out_dir or "eval-results", args.name, C.base_options(args), args.check_generate,
+                      quiet=args.quiet)
 
 
 # ----------------------------------------------------------------------------------------------------------

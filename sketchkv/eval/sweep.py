@@ -46,6 +46,7 @@ class Config:
     rank: int | None = None
     sparse: dict = dataclasses.field(default_factory=dict)     # SparseConfig fields (sparse group, tier)
     options: dict = dataclasses.field(default_factory=dict)    # engine options (tier, floors)
+    layer_k: list[int] | None = None   # per-layer top-k (sparse group; --layer-k), mean = k
 
 
 def build_configs(L: int, fracs: list[float], ranks: list[int], prod: dict, tier_formats: list[str],
@@ -58,6 +59,19 @@ def build_configs(L: int, fracs: list[float], ranks: list[int], prod: dict, tier
                                     sparse={**c.sparse, **fields})
                 for c in out if c.group in ("sparse", "tier") and c.family != "production"]
     return out
+
+
+def layer_k(k: int, weights: list[float], lo: float = 0.25, hi: float = 8.0) -> list[int]:
+    """Per-layer top-k with the same total rows as k in every layer, each layer's share ~ sqrt(weight) (weight: its
+    missed mass at k; if a layer's error goes as missed mass x k / k_j, sqrt is what minimises the sum), clipped to
+    [lo k, hi k]; rounding leftovers go to the heaviest layers."""
+    import numpy as np
+    w = np.sqrt(np.maximum(np.asarray(weights, dtype=float), 1e-6))
+    ks = np.clip(k * len(w) * w / w.sum(), lo * k, hi * k)
+    ks = np.floor(ks * (k * len(w) / ks.sum())).astype(int)
+    for j in np.argsort(-w)[:k * len(w) - ks.sum()]:
+        ks[j] += 1
+    return [int(x) for x in ks]
 
 
 def _base_configs(L: int, fracs: list[float], ranks: list[int], prod: dict, tier_formats: list[str],
@@ -140,7 +154,8 @@ class Run:
     def record(self, cfg: Config, L: int, key: str, s, rows, frac_read: float):
         kl, t1, nll = compare(self.refs[key], rows, s["cont"][1:])
         e = self.results["configs"].setdefault(cfg.name, {"group": cfg.group, "family": cfg.family, "k": cfg.k,
-                                                          "rank": cfg.rank, "sparse": cfg.sparse,
+                                                          "rank": cfg.rank, "layer_k": cfg.layer_k,
+                                                          "sparse": cfg.sparse,
                                                           "options": cfg.options, "by_length": {}, "_raw": {}})
         raw = e["_raw"].setdefault(str(L), [[], [], []])
         raw[0].append(kl), raw[1].append(t1), raw[2].append(nll)
@@ -199,6 +214,10 @@ def main(argv=None) -> dict:
                     help="selection configurations of the sparse engine also record the per-step, per-layer estimate "
                          "of the candidates' attention mass their picks miss (sparse miss_estimate) and its "
                          "correlation with the per-step KL (issue 40 part 5)")
+    ap.add_argument("--layer-k", metavar="FILE.json:CONFIG",
+                    help="adaptive k per layer at equal rows: every selection configuration again (NAME+lk) with each "
+                         "layer's top-k set from CONFIG's per-layer missed-mass estimate in an earlier sweep's "
+                         "FILE.json (run with --miss-estimate on other samples; see layer_k)")
     ap.add_argument("--only", default=".*", help="regex over configuration names to run")
     ap.add_argument("--skip", default="^$", help="regex over configuration names to skip")
     ap.add_argument("--seed", type=int, default=0)
@@ -212,6 +231,11 @@ def main(argv=None) -> dict:
     from sketchkv.eval.prune import install_prune
     from sketchkv.kv.basis import KeyBasis
     from sketchkv.llm import LLM
+    weights = None
+    if args.layer_k:   # per-layer estimates, averaged over that run's samples and lengths
+        f, name = args.layer_k.rsplit(":", 1)
+        est = json.load(open(f))["configs"][name]["miss_estimate"].values()
+        weights = np.mean([e["per_layer_mean"] for e in est], axis=0).tolist()
 
     bases = {int(r): p for r, p in (b.split("=", 1) for b in args.basis)}
     loaded = {r: KeyBasis.load(p) for r, p in bases.items()}
@@ -253,8 +277,11 @@ def main(argv=None) -> dict:
     for L, n_s in zip(args.lengths, samples_per):
         samples = make_samples(ids, starts, [L], args.continuation, n_s, args.seed, 8192)
         need = max(s["prompt_len"] for s in samples) + args.continuation + 2
-        cfgs = [c for c in build_configs(L, args.k_fracs, ranks, prod, args.tier_formats, args.tier_rank, variants)
-                if only.search(c.name) and not skip.search(c.name)]
+        cfgs = build_configs(L, args.k_fracs, ranks, prod, args.tier_formats, args.tier_rank, variants)
+        if weights is not None:
+            cfgs += [dataclasses.replace(c, name=c.name + "+lk", family=c.family + " +lk",
+                                         layer_k=layer_k(c.k, weights)) for c in cfgs if c.group == "sparse"]
+        cfgs = [c for c in cfgs if only.search(c.name) and not skip.search(c.name)]
         run.results["lengths"][str(L)] = {"prompt_len": samples[0]["prompt_len"], "samples": n_s,
                                           "starts": [s["start"] for s in samples]}
         C.log(f"L={L}: {n_s} samples, {len(cfgs)} configurations")
@@ -283,7 +310,7 @@ def main(argv=None) -> dict:
                 cfg = dataclasses.replace(sp0, top_k=c.k, miss_estimate=args.miss_estimate, **c.sparse)
                 est = [[] for _ in layers]
                 for j, m in enumerate(layers):
-                    m.cfg = cfg
+                    m.cfg = dataclasses.replace(cfg, top_k=c.layer_k[j]) if c.layer_k else cfg
                     m.last_miss_estimate = None
                     if args.miss_estimate:
                         m.pick_grouped = _recording(m, est[j])

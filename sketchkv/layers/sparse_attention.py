@@ -59,6 +59,9 @@ class SparseAttention(Attention):
         self.sketch_scale = torch.tensor([])  # [num_blocks, block_size, Hkv] fp16
         self.last_indices = None              # picks of the last decode step (for tests and stats)
         self.last_miss_estimate = None        # [B] (sparse miss_estimate): the candidates' mass the picks missed
+        # miss_estimate: the last decode step's estimate per decode row, -1 where the layer read every token. Persistent
+        # (written with copy_), so a CUDA graph's replay updates it; the engine reads it after the step's sampling.
+        self.miss_rows = torch.empty(0)
         self.layer = -1                       # index among the full-attention layers (set by the model runner)
         self.tensor_parallel = False          # our heads are one rank's share (parallel/tensor_parallel.py)
 
@@ -85,6 +88,8 @@ class SparseAttention(Attention):
 
     def decode(self, q, block_tables, seq_lens, sparse: bool, graph: bool, max_seq_len: int) -> torch.Tensor:
         if not sparse or self.dense_layer:
+            if self.cfg.miss_estimate and get_context().verify is None:
+                self.record_miss(None, q.shape[0])
             return super().decode(q, block_tables, seq_lens, sparse, graph, max_seq_len)
         # in a CUDA graph the shapes must not depend on this step's lengths
         max_len = block_tables.shape[1] * self.k_cache.shape[1] if graph else max_seq_len
@@ -189,4 +194,19 @@ class SparseAttention(Attention):
             return compose_selection(picks, seq_lens, seq_lens[lead][group], c.sink_tokens, c.recent_tokens,
                                      self.verify_extra)
         picks = self.pick(q, block_tables, seq_lens, max_len)
+        if c.miss_estimate and ctx.verify is None:   # (verification steps are not recorded)
+            self.record_miss(None if self.dense_layer else self.last_miss_estimate, q.shape[0])
         return compose_selection(picks, seq_lens, seq_lens, c.sink_tokens, c.recent_tokens)
+
+    def record_miss(self, est: torch.Tensor | None, rows: int) -> None:
+        """This decode step's missed-mass estimate [rows] into `miss_rows` (None: every token read, -1). The buffer
+        grows only outside a CUDA-graph capture: graphs captured before a growth would write the old one (the runner
+        captures its largest decode batch first, eagerly warmed up, so that growth happens before any capture)."""
+        if self.miss_rows.shape[0] < rows or self.miss_rows.device != self.basis.device:
+            if self.basis.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("sparse miss_estimate: the estimate buffer would grow inside a CUDA-graph capture")
+            self.miss_rows = torch.full((rows,), -1.0, device=self.basis.device)
+        if est is None:
+            self.miss_rows[:rows].fill_(-1.0)
+        else:
+            self.miss_rows[:rows].copy_(est)

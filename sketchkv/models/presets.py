@@ -87,14 +87,17 @@ def preset_int4_layers(cfg: ModelConfig) -> dict[str, int] | None:
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Initialise like transformers' Qwen3.5: normal weights, zero-centred norms at 0, GDN decay in range.
-    Int4 layers: uniform random codes, symmetric (zero 8), scales giving the same std, drawn on the device."""
+    Int4 layers: uniform random codes, zero 7.5 (codes 0..15 centred: mean 0), scales giving the same std, drawn on
+    the device. A zero of 8 (the symmetric checkpoints' value) would give every weight a mean of -scale / 2: one
+    shared direction in every projection's output, near-constant queries, and top-k picks that barely move from
+    step to step (H200 run 99: 98% hot-buffer hits against bf16's 3%, which flattered W4A16 in that comparison)."""
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     int4 = set()
     for m in model.modules():
         if isinstance(m, Int4Linear):
             m.qweight.random_(-2**31, 2**31 - 1, generator=g)  # every nibble uniform in 0..15
-            m.scales.fill_(std / 4.61)                          # std of uniform -8..7 is 4.61
-            m.zeros.fill_(8)
+            m.scales.fill_(std / 4.61)                          # std of 16 uniform levels is 4.61
+            m.zeros.fill_(7.5)
             int4.update(id(t) for t in (m.qweight, m.scales, m.zeros))
     for name, p in model.named_parameters():
         if id(p) in int4:

@@ -21,6 +21,27 @@ OFF = 128 (bf16) / 1024 (fp16) builds the float by OR-ing the nibble into the ma
 (Marlin's trick: no conversion instruction); OFF = 0 converts (fp32 activations).
 Split-K: SPLIT_K programs per output tile write fp32 partials; the last to finish (a per-tile counter, reset
 by that program, so the kernel is graph-capturable) sums them in split order and writes the output.
+
+Small M (decode), _gemv_kernel: CUDA cores, built for bandwidth. H200 run 98 had the tensor-core kernel at
+38-42% of the int4 floor at M = 1, 8: its words reach shared memory by 4-byte cp.async (Triton orders the
+shared tile along K for the MMA operand). The same packed words serve both kernels (no second copy, no new
+layout): shuffle_int4 only permutes nibbles within a word's column, so the words stay [K / 8, N] with N
+contiguous, and the small-M kernel loads them 16 bytes (4 columns) per thread and row and gathers x at each
+nibble's k instead (x is tiny and L1-resident). Per byte one prmt puts it under the fp32 exponent of 2^15
+(f = 2^15 + lo + 16 hi), one and clears lo (g = 2^15 + 16 hi), and two FFMAs per x row take
+f x_lo + g (x_hi / 16 - x_lo) = lo x_lo + hi x_hi + 2^11 x_hi: 2 instructions per weight at M = 1, the
+offsets and the group's zero and scale applied once per K tile to the fp32 sums,
+(sum - 2^11 sum(x_hi) - z sum(x)) s (precision: lo's 2^-15 below the leading bit costs ~2e-4 of the output's
+rms, a tenth of the bf16 output rounding). sm_90 SASS of the loop (CPU compile): 2.5 instructions per
+weight at M = 1 (16 columns per thread, 255 registers, no spills, no shared memory or barriers), one FFMA
+per weight per further x row. An SM must take ~33 weights per cycle to keep up with 4.25 TB/s and issues
+at most 128 lane-instructions per cycle, so the kernel can reach the floor at M = 1 (~65% issue) and
+perhaps M = 2, not at M >= 4 (the tensor cores stay there). Off by default: GEMV_MAX_M = 0 until an H200
+run of `benchmarks/bench_w4a16_gemm.py --gemv` decides (1) the threshold (the M up to which it beats the
+tensor-core kernel on every shape), (2) GEMV_TUNED configs, (3) from its load-only probe (the same grid and
+word loads, xor-reduced), whether the access pattern itself reaches the copy bandwidth, i.e. whether what
+is left is issue (instructions) or bytes in flight (then: more columns per program, a register prefetch
+of the next tile). Weights with K tiles of several groups (block_k > G) stay on the tensor-core kernel.
 """
 import os
 from dataclasses import dataclass
@@ -214,6 +235,36 @@ def config_for(M: int, N: int, K: int, device: torch.device) -> Config:
                   num_stages=3 if bm <= 16 else 4)
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration of the small-M CUDA-core kernel (_gemv_kernel)."""
+    block_n: int = 1024      # columns per program: 4 consecutive per thread and 16-byte load, block_n / (32 warps) per thread
+    rows: int = 2            # word rows (16 k) per unrolled chunk of a K tile, all in each thread
+    split_k: int = 0         # programs along K; 0: enough for ~4 programs per SM (gemv_config_for)
+    num_warps: int = 2
+    num_stages: int = 1
+
+
+# The small-M kernel serves M <= GEMV_MAX_M (no tensor cores: 2 lane-instructions per weight and row at M = 1, one
+# FFMA per extra row, so it can only win at the smallest M). 0 = off until an H200 run picks the threshold and
+# GEMV_TUNED entries ((M, N, K) -> GemvConfig) with `benchmarks/bench_w4a16_gemm.py --gemv`.
+GEMV_MAX_M = 0
+GEMV_TUNED: dict[tuple[int, int, int], GemvConfig] = {}
+
+
+def gemv_config_for(M: int, N: int, K: int, device: torch.device) -> GemvConfig:
+    """The tuned config, else (from sm_90 SASS, not yet timed): columns per thread 16 at M = 1 (2 rows per
+    chunk: 255 registers, no spills; ~2.5 instructions per weight), 8 at M = 2, 4 above (the x rows multiply
+    the FFMAs and the registers); block_n 1024 (512 for N < 8192: more column tiles); split-K over K tiles
+    until the programs cover the SMs 4 times."""
+    if (M, N, K) in GEMV_TUNED:
+        return GEMV_TUNED[(M, N, K)]
+    bn = 1024 if N >= 8192 else 512
+    cols = {1: 16, 2: 8}.get(M, 4)
+    split = max(1, min(K // 128, -(-4 * _num_sms(device) // -(-N // bn))))
+    return GemvConfig(block_n=bn, rows=2, split_k=split, num_warps=max(1, bn // (32 * cols)))
+
+
 if triton is not None:
 
     @triton.jit
@@ -365,6 +416,154 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + tile, 0)
 
     @triton.jit
+    def _bytes_to_f32(words, ASM: tl.constexpr):
+        """int32 words -> per byte b (nibbles 2b = lo, 2b + 1 = hi) the fp32 f_b = 2^15 + lo + 16 hi (the byte
+        moved under the exponent bits 0x47: one prmt) and g_b = 2^15 + 16 hi (f_b with lo cleared: one and);
+        returns f0, g0, f1, g1, f2, g2, f3, g3. The interpreter runs no PTX: Triton ops with the same bits."""
+        if ASM:
+            f0, g0, f1, g1, f2, g2, f3, g3 = tl.inline_asm_elementwise(
+                "prmt.b32 $0, $8, 0x47000000, 0x7404; and.b32 $1, $0, 0xFFFFF000; "
+                "prmt.b32 $2, $8, 0x47000000, 0x7414; and.b32 $3, $2, 0xFFFFF000; "
+                "prmt.b32 $4, $8, 0x47000000, 0x7424; and.b32 $5, $4, 0xFFFFF000; "
+                "prmt.b32 $6, $8, 0x47000000, 0x7434; and.b32 $7, $6, 0xFFFFF000;",
+                "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        else:
+            f0 = ((words << 8) & 0xFF00) | 0x47000000
+            f1 = (words & 0xFF00) | 0x47000000
+            f2 = ((words >> 8) & 0xFF00) | 0x47000000
+            f3 = ((words >> 16) & 0xFF00) | 0x47000000
+            g0, g1, g2, g3 = f0 & -4096, f1 & -4096, f2 & -4096, f3 & -4096
+        return (f0.to(tl.float32, bitcast=True), g0.to(tl.float32, bitcast=True),
+                f1.to(tl.float32, bitcast=True), g1.to(tl.float32, bitcast=True),
+                f2.to(tl.float32, bitcast=True), g2.to(tl.float32, bitcast=True),
+                f3.to(tl.float32, bitcast=True), g3.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _gemv_x(x_rows, k, m_ok, X_PAIR: tl.constexpr):
+        """x [BM, ROWS] at k and k + 1 (k even) in fp32: one 32-bit load of the pair for 16-bit x (X_PAIR 1:
+        bf16, whose fp32 is its bits << 16; 2: fp16), two loads for fp32 x (X_PAIR 0; k counts x elements)."""
+        if X_PAIR == 0:
+            a = tl.load(x_rows + k, mask=m_ok, other=0.0)
+            b = tl.load(x_rows + k + 1, mask=m_ok, other=0.0)
+        else:
+            p = tl.load(x_rows + k // 2, mask=m_ok, other=0)
+            if X_PAIR == 1:
+                a = (p << 16).to(tl.float32, bitcast=True)
+                b = (p & -65536).to(tl.float32, bitcast=True)
+            else:
+                a = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                b = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return a, b
+
+    @triton.jit
+    def _gemv_bytes(part, xs, xh, fa, ga, fb, gb, x_rows, k_lo, m_ok, KW: tl.constexpr, X_PAIR: tl.constexpr,
+                    FIRST: tl.constexpr):
+        """Bytes b and b + 2 (b = 0, 1) of the words [1, ROWS, BLOCK_N] (f, g of _bytes_to_f32) into part
+        [BLOCK_M, ROWS, BLOCK_N] (FIRST: part starts here, no zero-fill). Byte b's lo nibble is at k_lo
+        [BM, ROWS] (even), its hi nibble at k_lo + 2 KW, byte b + 2's at k_lo + 1 and k_lo + 2 KW + 1: x pairs.
+        Per byte f x_lo + g (x_hi / 16 - x_lo) = lo x_lo + hi x_hi + 2^11 x_hi, two FFMAs per x row;
+        xs += x_lo + x_hi, xh += x_hi (the offsets, taken out per tile). x is [BM, ROWS] (a slice of part's
+        layout: one load per element and thread), expanded along n."""
+        la, lb = _gemv_x(x_rows, k_lo, m_ok, X_PAIR)
+        ua, ub = _gemv_x(x_rows, k_lo + 2 * KW, m_ok, X_PAIR)
+        if FIRST:
+            part = fa * la[:, :, None]
+            xs = (la + ua) + (lb + ub)
+            xh = ua + ub
+        else:
+            part += fa * la[:, :, None]  # one statement per product: FFMAs (one expression adds the products first)
+            xs += (la + ua) + (lb + ub)
+            xh += ua + ub
+        part += ga * (ua * 0.0625 - la)[:, :, None]
+        part += fb * lb[:, :, None]
+        part += gb * (ub * 0.0625 - lb)[:, :, None]
+        return part, xs, xh
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+                     M, N, stride_xm, stride_om, KTILES, TILES_PER_SPLIT,
+                     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ROWS: tl.constexpr, SPLIT_K: tl.constexpr, X_PAIR: tl.constexpr, ASM: tl.constexpr):
+        """Small M on CUDA cores, for bandwidth: words in shuffle_int4's order (BLOCK_K = the weight's block_k
+        <= G: a K tile is in one group), ROWS word rows x BLOCK_N columns per iteration, loaded along N (16
+        bytes per thread and row), every row in each thread (no cross-thread sums in the loop); a K tile's row
+        chunks are unrolled (the tile's sums stay in registers, its loads are all issued early). Nibble j of
+        word i of tile t is k = t BLOCK_K + 2 ((j % 4) KW + i) + j // 4 (shuffle_int4), so byte b holds
+        (lo, hi) at k_lo = t BLOCK_K + 2 ((2b % 4) KW + i) + b // 2 and k_lo + 2 KW; x is gathered at those
+        (L1 hits, shared by the thread's columns). Per K tile, the group's zero and scale apply to the
+        fp32 sums: acc += (sum(part) - 2^11 sum(x_hi) - z sum(x)) * s. The words, part, scales and acc are
+        3-D [m, row, n] in one blocked layout (4 consecutive n per thread, from the words' 16-byte loads), x a
+        2-D slice of it: no layout conversion (shared memory, barriers) in the loop. x_ptr: x, or its int32
+        view (X_PAIR > 0; stride_xm then counts pairs). Split-K as _w4a16_kernel."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        KW: tl.constexpr = BLOCK_K // 8
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = tl.max_contiguous(tl.multiple_of(rn, 4), 4)[None, None, :]    # scales: 4 per load, as the words
+        n_ok = rn < N
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm[:, None] < M                                                                  # [BM, 1]
+        r = tl.arange(0, ROWS)
+        x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm                                   # [BM, 1]
+        acc = tl.zeros([BLOCK_M, 1, BLOCK_N], dtype=tl.float32)
+        part = tl.zeros([BLOCK_M, ROWS, BLOCK_N], dtype=tl.float32)  # (each tile starts it afresh)
+        xs = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
+        xh = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
+        t0 = pid_k * TILES_PER_SPLIT
+        t1 = tl.minimum(t0 + TILES_PER_SPLIT, KTILES)
+        for t in range(t0, t1):
+            grp = (t * BLOCK_K) // G
+            s = tl.load(s_ptr + grp * N + rn, mask=n_ok, other=0.0).to(tl.float32)             # [1, 1, BN]
+            z = tl.load(z_ptr + grp * N + rn, mask=n_ok, other=0.0).to(tl.float32)
+            for c in tl.static_range(KW // ROWS):  # row chunks: the tile's sums carried in registers
+                row = t * KW + c * ROWS
+                words = tl.load(qw_ptr + (row + r)[None, :, None] * N + rn, mask=n_ok, other=0)  # [1, ROWS, BN]
+                kb = t * BLOCK_K + 2 * (c * ROWS + r)[None, :]                                   # [1, ROWS]
+                f0, g0, f1, g1, f2, g2, f3, g3 = _bytes_to_f32(words, ASM)
+                part, xs, xh = _gemv_bytes(part, xs, xh, f0, g0, f2, g2, x_rows, kb, m_ok, KW, X_PAIR, c == 0)  # 0 1 4 5
+                part, xs, xh = _gemv_bytes(part, xs, xh, f1, g1, f3, g3, x_rows, kb + 4 * KW, m_ok, KW, X_PAIR, False)
+            xsum = tl.sum(xs, 1)[:, None, None]
+            xhi = tl.sum(xh, 1)[:, None, None]
+            acc += (tl.sum(part, 1, keep_dims=True) - (2048.0 * xhi + z * xsum)) * s            # [BM, 1, BN]
+        mask = (rm[:, None, None] < M) & n_ok
+        out = out_ptr + rm[:, None, None] * stride_om + rn                                       # [BM, 1, BN]
+        if SPLIT_K == 1:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # as _w4a16_kernel: fp32 partial, the last arriver sums the splits in order and resets the counter
+            part_out = ws_ptr + rm[:, None, None] * N + rn
+            tl.store(part_out + pid_k * M * N, acc, mask=mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, 1, BLOCK_N], dtype=tl.float32)
+                for sk in range(SPLIT_K):
+                    other = tl.load(part_out + sk * M * N, mask=mask & (sk != pid_k), other=0.0, cache_modifier=".cg")
+                    total += tl.where(sk == pid_k, acc, other)
+                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+    @triton.jit
+    def _gemv_load_probe_kernel(qw_ptr, out_ptr, N, KTILES, TILES_PER_SPLIT,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+        """The bandwidth ceiling of _gemv_kernel's access pattern (benchmarks only): the same grid, loop and
+        word loads, xor-ed into one int per program."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        KW: tl.constexpr = BLOCK_K // 8
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = tl.max_contiguous(tl.multiple_of(rn, 4), 4)[None, None, :]
+        n_ok = rn < N
+        r = tl.arange(0, ROWS)[None, :, None]
+        acc = tl.zeros([1, ROWS, BLOCK_N], dtype=tl.int32)
+        t0 = pid_k * TILES_PER_SPLIT
+        t1 = tl.minimum(t0 + TILES_PER_SPLIT, KTILES)
+        for t in range(t0, t1):
+            for c in tl.static_range(KW // ROWS):
+                acc ^= tl.load(qw_ptr + (t * KW + c * ROWS + r) * N + rn, mask=n_ok, other=0)
+        tl.store(out_ptr + pid_k * tl.num_programs(0) + pid_n, tl.xor_sum(tl.reshape(acc, [ROWS * BLOCK_N]), 0))
+
+    @triton.jit
     def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, G, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         """W^T [K, N] = (q - z) * s in fp32, rounded to out's dtype (the reference's arithmetic); one K tile
         of the shuffled words per program."""
@@ -423,8 +622,56 @@ def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config) -> torch.Ten
     return out
 
 
-def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: Config | None = None) -> torch.Tensor:
-    """x [..., K] -> x @ W.T [..., N] in x's dtype. CUDA: the Triton kernel for M < LARGE_M rows, the Triton
+def gemv_supported(w: Int4Weight) -> bool:
+    """_gemv_kernel needs shuffled words (block_k >= 16) and K tiles inside one group (block_k <= G)."""
+    return 16 <= w.block_k <= w.group_size
+
+
+def _gemv_split(w: Int4Weight, cfg: GemvConfig, device) -> tuple[int, int, int]:
+    """-> (split_k, K tiles per split (the last split possibly short or empty), rows per chunk)."""
+    tiles = w.in_features // w.block_k
+    split = cfg.split_k or gemv_config_for(1, w.out_features, w.in_features, device).split_k
+    split = max(1, min(split, tiles))
+    if triton.cdiv(w.out_features, cfg.block_n) > w.counters.numel():
+        split = 1
+    return split, triton.cdiv(tiles, split), min(cfg.rows, w.block_k // 8)
+
+
+def w4a16_gemv_triton(x2: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
+    """The small-M kernel on a 2-D, row-contiguous x [M, K] (M <= 16) with config cfg."""
+    M, K = x2.shape
+    N = w.out_features
+    assert gemv_supported(w) and M <= 16, (w.block_k, w.group_size, M)
+    split, tiles_per_split, rows = _gemv_split(w, cfg, x2.device)
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
+    pair = {torch.bfloat16: 1, torch.float16: 2}.get(x2.dtype, 0)
+    if pair and (x2.data_ptr() % 4 or x2.stride(0) % 2):
+        x2 = x2.contiguous().clone()
+    xv = x2.view(torch.int32) if pair else x2  # 16-bit x read as pairs (K is a multiple of 8)
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
+        xv, w.packed, w.scales, w.zeros, out, ws, w.counters, M, N, xv.stride(0), out.stride(0),
+        K // w.block_k, tiles_per_split, G=w.group_size, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n,
+        BLOCK_K=w.block_k, ROWS=rows, SPLIT_K=split, X_PAIR=pair, ASM=not _INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def gemv_load_probe(w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
+    """_gemv_load_probe_kernel on w's words with cfg's grid and loop: one int32 per program (its words' xor)."""
+    N = w.out_features
+    split, tiles_per_split, rows = _gemv_split(w, cfg, w.packed.device)
+    grid = (triton.cdiv(N, cfg.block_n), split)
+    out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=w.packed.device)
+    _gemv_load_probe_kernel[grid](w.packed, out, N, w.in_features // w.block_k, tiles_per_split,
+                                  BLOCK_N=cfg.block_n, BLOCK_K=w.block_k, ROWS=rows, num_warps=cfg.num_warps,
+                                  num_stages=cfg.num_stages)
+    return out
+
+
+def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: Config | GemvConfig | None = None) -> torch.Tensor:
+    """x [..., K] -> x @ W.T [..., N] in x's dtype. CUDA: the small-M CUDA-core kernel for M <= GEMV_MAX_M (off
+    by default) or when config is a GemvConfig, the tensor-core kernel for M < LARGE_M rows, the Triton
     dequantize + cuBLAS from there; CPU: the reference. Graph-capturable: no host syncs, branches on
     shapes only (M's config comes from its bucket)."""
     K = x.shape[-1]
@@ -436,7 +683,9 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: Config | None = None) -
     M = x2.shape[0]
     if M == 0:
         return x.new_empty(*x.shape[:-1], w.out_features)
-    if M >= LARGE_M and config is None:
+    if isinstance(config, GemvConfig) or (config is None and M <= GEMV_MAX_M and gemv_supported(w)):
+        out = w4a16_gemv_triton(x2, w, config or gemv_config_for(M, w.out_features, K, x.device))
+    elif M >= LARGE_M and config is None:
         out = x2 @ dequantize_int4_t(w, x.dtype)
     else:
         out = w4a16_gemm_triton(x2, w, config or config_for(M, w.out_features, K, x.device))

@@ -3,6 +3,8 @@
 Engine-side numbers (tokens, queue lengths, KV blocks, prefix cache) are sampled on the engine thread
 after every step (`update_from_engine`); per-request numbers (TTFT, latency, finish reasons) are
 recorded by the HTTP handlers (`observe_request`). prometheus-client's metrics are thread-safe.
+With sparse miss_estimate the engine's per-step missed-mass estimates become `sketchkv_sparse_missed_mass`
+(registered on the first update from such an engine, absent otherwise).
 
 With data-parallel replicas (server/replica.py) each replica process keeps its own engine-side metrics
 and sends them to the frontend (`engine_families`); the frontend's /metrics shows them once per family
@@ -14,6 +16,7 @@ from collections import deque
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
+_MASS_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
@@ -68,6 +71,7 @@ class ServerMetrics:
         self.tier_gpu_bytes_used = Gauge(p + "tier_gpu_bytes_used", "host tier: GPU bytes held by live sequences",
                                          registry=r)
         self.engine_alive = Gauge(p + "engine_alive", "1 while the engine thread runs", registry=r)
+        self.missed_mass = None   # sparse miss_estimate: registered once an engine with the estimate reports
         self._last = {"generation_tokens": 0, "prompt_tokens": 0, "steps": 0}
         self._tier_last = {"hits": 0, "misses": 0, "pcie_read_bytes": 0, "pcie_write_bytes": 0}
         self._window = rate_window_s
@@ -113,6 +117,25 @@ class ServerMetrics:
             per_seq = engine.tier_sequence_stats().values()
             self.tier_host_bytes_used.set(sum(s.host_bytes for s in per_seq))
             self.tier_gpu_bytes_used.set(sum(s.gpu_bytes for s in per_seq))
+
+        if engine.miss_layers:
+            self._update_missed_mass(engine)
+
+    def _update_missed_mass(self, engine) -> None:
+        if self.missed_mass is None:
+            self.missed_mass = Histogram(
+                "sketchkv_sparse_missed_mass", "sparse decode (sparse_miss_estimate): per sequence and decode step, "
+                "the share of the candidates' estimated attention mass the top-k picks left out, mean over the "
+                "selecting layers", buckets=_MASS_BUCKETS, registry=self.registry)
+            self.missed_mass_last = Gauge("sketchkv_sparse_missed_mass_last", "mean sparse_missed_mass of the "
+                                          "sequences in the last engine step that recorded one", registry=self.registry)
+        est = engine.miss_estimates
+        if est:
+            step = []
+            while est:
+                step.append(est.popleft())
+                self.missed_mass.observe(step[-1])
+            self.missed_mass_last.set(sum(step) / len(step))
 
     # ---- handlers ------------------------------------------------------------------------------
     def observe_request(self, finish_reason: str, ttft: float | None, latency: float) -> None:
