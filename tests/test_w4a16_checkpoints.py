@@ -213,6 +213,14 @@ def test_int4_layers_are_int4_and_the_rest_stays_dense(ct_ckpt):
     assert isinstance(attn.q_proj, Int4Linear) and attn.q_proj.fused and attn.o_proj.int4 is not None
     assert type(m.lm_head) is torch.nn.Linear and type(gdn.in_proj_b) is torch.nn.Linear  # b: N=4 (< 8) -> dense
     assert isinstance(gdn.in_proj, tuple)  # int4 [qkv; z] + dense [b; a]
+    # the mixed weight runs as two GEMMs split on their own: the same pieces as the concatenation's split
+    from sketchkv.models.fuse import linear, linear_split
+    x = torch.randn(3, gdn.in_proj_qkv.in_features)
+    sizes = [gdn.conv_dim, gdn.value_dim, gdn.num_v_heads, gdn.num_v_heads]
+    for got, want in zip(linear_split(x, gdn.in_proj, sizes), linear(x, gdn.in_proj).split(sizes, dim=-1)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="straddles"):
+        linear_split(x, gdn.in_proj, [gdn.conv_dim + gdn.value_dim + 1, 2 * gdn.num_v_heads - 1])
 
 
 # ---- what fails at load --------------------------------------------------------------------------------------

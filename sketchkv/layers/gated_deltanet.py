@@ -4,7 +4,7 @@ from torch import nn
 
 from sketchkv.engine.context import get_context
 from sketchkv.layers.norms import GatedRMSNorm
-from sketchkv.models.fuse import fuse_linears, linear
+from sketchkv.models.fuse import fuse_linears, linear_split
 from sketchkv.ops.causal_conv1d import causal_conv1d_decode, causal_conv1d_rows, causal_conv1d_varlen, conv_state_shape
 from sketchkv.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_rows, gated_delta_rule_varlen
 from sketchkv.ops.gdn_gates import gdn_gates
@@ -61,8 +61,8 @@ class GatedDeltaNet(nn.Module):
         ctx = get_context()
         T = x.shape[0]
         if self.in_proj is not None:
-            qkv, z, b, a = linear(x, self.in_proj).split(
-                [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+            qkv, z, b, a = linear_split(x, self.in_proj,
+                                        [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads])
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)

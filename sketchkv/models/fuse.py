@@ -28,6 +28,29 @@ def linear(x: torch.Tensor, w: FusedWeight) -> torch.Tensor:
     return torch.cat([linear(x, part) for part in w], dim=-1)
 
 
+def linear_split(x: torch.Tensor, w: FusedWeight, sizes: list[int]) -> list[torch.Tensor]:
+    """linear(x, w).split(sizes, dim=-1), without the concatenation of a mixed weight: each GEMM's output is
+    split on its own (one kernel less per layer and step; the sizes must not straddle two parts)."""
+    if not isinstance(w, tuple):
+        return list(linear(x, w).split(sizes, dim=-1))
+    out, i = [], 0
+    for part in w:
+        n, take = _out_features(part), []
+        while n > 0:
+            take.append(sizes[i])
+            n, i = n - sizes[i], i + 1
+        assert n == 0, "a split straddles two GEMMs of a mixed fused weight"
+        out += linear_split(x, part, take)
+    assert i == len(sizes)
+    return out
+
+
+def _out_features(w: FusedWeight) -> int:
+    if isinstance(w, tuple):
+        return sum(_out_features(part) for part in w)
+    return w.out_features if isinstance(w, Int4Weight) else w.shape[0]
+
+
 def fuse_linears(linears: list[nn.Module]) -> FusedWeight | None:
     """Concatenate the weights (output features) of bias-free linears; re-point each at its slice.
     Consecutive linears of one kind fuse together (int4 ones when their group sizes agree)."""
