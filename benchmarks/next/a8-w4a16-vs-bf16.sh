@@ -1,6 +1,6 @@
 # H200 run 103: 8 x 250K W4A16 vs bf16 in one run, with the random int4 preset's mean offset removed (zero 7.5;
 # run 99's zero 8 gave 98% hot-buffer hits against bf16's 3%). Both pin int4 host rows, as runs 99 and 101.
-# Triton's cache from run 102 comes in as .tc/tcb.txz (the int4 engine's cold compile took > 2 min in run 101).
+# Triton's cache from gemv-and-twin.sh comes in as .tc/tcb.txz (the int4 engine's cold compile took > 2 min in run 101).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 mkdir -p ~/.triton && [ -f .tc/tcb.txz ] && tar -C ~/.triton -xJf .tc/tcb.txz
