@@ -16,6 +16,7 @@ class CacheConfig:
     block_size: int = field(default=64, metadata={"help": "tokens per KV block (power of two)"})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "None: size from memory (GPU) or from max_model_len x max_num_seqs (CPU)"})
     gpu_memory_utilization: float = field(default=0.90, metadata={"help": "fraction of GPU memory the engine may use in total"})
+    gpu_memory_gb: float | None = field(default=None, metadata={"help": "GiB of GPU memory this engine treats as the whole card (gpu_memory_utilization applies to it), enforced with torch.cuda.set_per_process_memory_fraction: several engines share one GPU as smaller cards (`serve --data-parallel N` puts replicas N at a time on each GPU when their caps fit), or a 24 GB card is emulated on a larger one. None: the whole card"})
     cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "KV budget on CPU"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "share KV blocks (and GDN state snapshots) across requests with a common prefix"})
     snapshot_interval_blocks: int = field(default=256, metadata={"help": "hybrid models: save GDN state every N blocks (and at each prompt's last block boundary)"})

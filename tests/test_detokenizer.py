@@ -163,3 +163,23 @@ def test_per_token_cost_does_not_grow(tok):
           f"full re-decode: first 100 {us(full[:100]):.1f} us/token, last 100 {us(full[-100:]):.1f} us/token")
     assert d.finish() == tok.decode(ids)
     assert us(inc[-100:]) < 3 * us(inc[:100]) + 20
+
+
+def test_a_raw_prompt_gets_the_tokenizers_bos_and_a_chat_template_writes_its_own(tmp_path):
+    """A Llama-style tokenizer.json whose post-processor prepends BOS: a raw prompt (LLM.generate, /v1/completions)
+    gets it, as transformers and vLLM give it; a rendered chat template (which writes its own special tokens)
+    is encoded without it (the server's chat path), so BOS is never doubled."""
+    from conftest import make_checkpoint
+    from tokenizers import Tokenizer as HFTokenizer, processors
+    from sketchkv import LLM
+    path = str(tmp_path / "m")
+    make_checkpoint(path, "qwen3")
+    tj = f"{path}/tokenizer.json"
+    hf = HFTokenizer.from_file(tj)
+    bos = hf.token_to_id("<|im_start|>")
+    hf.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    hf.save(tj)
+    t = Tokenizer(path)
+    assert t.encode("hi there") == [bos] + t.encode("hi there", add_special_tokens=False) == hf.encode("hi there").ids
+    out = LLM(path, device="cpu", dtype="float32").generate("hi there", SamplingParams(max_tokens=1))
+    assert out[0].prompt_token_ids == [bos] + t.encode("hi there", add_special_tokens=False)

@@ -232,10 +232,10 @@ TEXT = (inspect.getsource(json)[:3000] + "\nHéllo wörld — ünïcödé 日本
 def test_tokenizer_matches_transformers(tmp_path, pre):
     path = write_gguf(str(tmp_path / "t.gguf"), _hf_model("llama"), "llama", "Q8_0", pre=pre, add_bos=True)
     ours, ref = Tokenizer(path), hf_tokenizer(path)
-    ids = ours.encode(TEXT)
+    ids = ours.encode(TEXT, add_special_tokens=False)
     assert ids == ref.encode(TEXT, add_special_tokens=False)
-    assert ours.tok.encode(TEXT).ids == ref.encode(TEXT)  # add_bos_token: BOS first, as transformers
-    assert ours.tok.encode(TEXT).ids[0] == ours.tok.token_to_id("<|im_start|>")
+    assert ours.encode(TEXT) == ref.encode(TEXT)  # add_bos_token: BOS first, as transformers
+    assert ours.encode(TEXT)[0] == ours.tok.token_to_id("<|im_start|>")
     assert ours.decode(ids, skip_special_tokens=False) == TEXT == ref.decode(ids)
     assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     assert (ours.bos_token, ours.eos_token, ours.eos_token_id) == ("<|im_start|>", "<|im_end|>", 2)
@@ -332,9 +332,11 @@ def test_smollm2_matches_transformers(smollm2):
 def test_smollm2_tokenizer_matches_transformers():
     ours, ref = Tokenizer(SMOLLM2), hf_tokenizer(SMOLLM2)
     text = inspect.getsource(inspect)[:20000] + TEXT
-    ids = ours.encode(text)
+    ids = ours.encode(text, add_special_tokens=False)
     assert ids == ref.encode(text, add_special_tokens=False) and ours.decode(ids, skip_special_tokens=False) == text
-    assert ours.encode("<|im_start|>user") == [1, 4093] and ours.encode("2024") == [34, 32, 34, 36]  # digit by digit
+    assert ours.encode(text) == ref.encode(text) == ids   # the file says add_bos_token = False: no BOS added
+    assert ours.encode("<|im_start|>user", add_special_tokens=False) == [1, 4093]
+    assert ours.encode("2024", add_special_tokens=False) == [34, 32, 34, 36]  # digit by digit
     assert (ours.bos_token, ours.eos_token, ours.eos_token_id) == ("<|im_start|>", "<|im_end|>", 2)
     for msgs in ([{"role": "user", "content": "What is 2+2?"}],
                  [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

@@ -39,6 +39,23 @@ def test_interp_kernel_matches_reference(kind, dtype):
 
 
 @needs_interp
+def test_interp_gated_kernel_reads_a_strided_gate_in_place():
+    """The GDN output gate z is a [T, Hv, Dv] view of in_proj's output (rows padded by q/k/v/b/a columns): the
+    kernel reads it in place (no copy) and gives what it gives on a contiguous copy."""
+    from sketchkv.ops.rmsnorm import _gate_rows
+    torch.manual_seed(3)
+    T, H, D = 4, 3, 32
+    fused = torch.randn(T, 40 + H * D + 8)
+    z = fused[:, 40:40 + H * D].unflatten(-1, (H, D))
+    g, st, sh, gh = _gate_rows(z, D)
+    assert g.data_ptr() == z.data_ptr() and (st, sh, gh) == (fused.stride(0), D, H)
+    x, w = torch.randn(T * H, D) * 3, torch.randn(D)
+    out = rms_norm(x.view(T, H, D), w, 1e-6, GATED, z)
+    torch.testing.assert_close(out, rms_norm(x.view(T, H, D), w, 1e-6, GATED, z.contiguous()), rtol=0, atol=0)
+    torch.testing.assert_close(out, rms_norm_ref(x.view(T, H, D), w, 1e-6, GATED, z), rtol=1e-5, atol=1e-5)
+
+
+@needs_interp
 @pytest.mark.parametrize("kind", [ZERO_CENTERED, PLAIN])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interp_residual_kernel_matches_reference(kind, dtype):

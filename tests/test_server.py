@@ -137,7 +137,7 @@ def test_chat_usage_logprobs_and_stream(server):
     r = server.client.chat.completions.create(**kw, max_completion_tokens=6, logprobs=True, top_logprobs=3)
     c = r.choices[0]
     assert c.message.role == "assistant" and c.finish_reason == "length"
-    assert r.usage.prompt_tokens == len(server.tok.encode(server.tok.apply_chat_template(messages)))
+    assert r.usage.prompt_tokens == len(server.tok.encode(server.tok.apply_chat_template(messages), add_special_tokens=False))
     assert r.usage.completion_tokens == len(c.logprobs.content) == 6
     assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in c.logprobs.content)
 

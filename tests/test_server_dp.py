@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 
 from sketchkv.config import EngineConfig                  # noqa: E402
 from sketchkv.errors import SketchKVError                 # noqa: E402
-from sketchkv.server.replica import plan_replicas         # noqa: E402
+from sketchkv.server.replica import gpus_for_replicas, plan_replicas   # noqa: E402
 from conftest import free_port, stop_process, wait_healthy  # noqa: E402
 
 NAME = "reference-model"
@@ -150,6 +150,18 @@ def test_plan_splits_host_budget_and_refuses_more_replicas_than_gpus():
         plan_replicas(EngineConfig(device="cuda:1"), 2)
     with pytest.raises(SketchKVError, match="--data-parallel with --tensor-parallel"):
         plan_replicas(EngineConfig(device="cpu", tensor_parallel_size=2), 2)
+
+
+def test_replicas_share_a_gpu_only_when_their_memory_caps_fit_it():
+    assert gpus_for_replicas(2, ["0", "1", "2"], None, 80.0) == ["0", "1"]
+    assert gpus_for_replicas(4, ["3", "5"], 24.0, 79.6) == ["3", "5", "3", "5"]     # two 24 GiB engines per card
+    assert gpus_for_replicas(5, ["0"], 24.0, 139.8) == ["0"] * 5
+    with pytest.raises(SketchKVError, match="3 x gpu_memory_gb=24.0 exceeds a 60.0 GiB card"):
+        gpus_for_replicas(5, ["0", "1"], 24.0, 60.0)
+    with pytest.raises(SketchKVError, match="needs 2 GPUs .* --gpu-memory-gb"):
+        gpus_for_replicas(2, ["0"], None, 139.8)
+    with pytest.raises(SketchKVError, match="needs 2 GPUs .*0 visible"):
+        gpus_for_replicas(2, [], 24.0, 0.0)
 
 
 def test_bad_model_is_a_one_line_error(tmp_path):

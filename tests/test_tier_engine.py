@@ -749,3 +749,28 @@ def test_decode_graphs_per_length_bucket(eager_graphs, tier):
     assert got == ref
     replays = {k: type(g).count for k, g in r.graphs.items() if type(g).count}
     assert replays and all(k[2] == 1024 for k in replays), replays   # the 16K graphs, never the 32K ones
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_memory_gb_caps_the_engine_and_refuses_weights_past_it(gpu_ckpt):
+    """gpu_memory_gb: the engine sizes its caches against the cap (not the card) and its allocator refuses
+    past it; weights larger than the cap are a one-line CapacityError at load, not an out-of-memory trace."""
+    import gc
+    cap = 2.0
+    try:
+        llm = LLM(gpu_ckpt, device="cuda", max_num_seqs=4, max_model_len=8192, gpu_memory_gb=cap)
+        torch.cuda.reset_peak_memory_stats()
+        out = llm.generate(prompt_token_ids=[_prompt(3000, seed=1)],
+                           sampling_params=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        assert len(out[0].token_ids) == 16
+        peak = torch.cuda.max_memory_allocated()
+        kv = llm.engine.runner.num_blocks * llm.engine.runner.kv_bytes_per_block
+        assert 0.5 * 2**30 < kv < 0.9 * cap * 2**30 and peak <= cap * 2**30, (kv, peak)
+        llm = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        with pytest.raises(CapacityError, match="do not fit this GPU .*gpu_memory_gb=0.001"):
+            LLM(gpu_ckpt, device="cuda", gpu_memory_gb=0.001)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

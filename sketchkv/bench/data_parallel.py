@@ -65,7 +65,9 @@ def run_replicas(args, n: int, bench: str) -> list[dict]:
     from sketchkv.config import EngineConfig
     from sketchkv.errors import SketchKVError
     from sketchkv.server.replica import plan_replicas
-    plans = plan_replicas(EngineConfig(model=args.model, device=getattr(args, "device", None) or "auto"), n)
+    ecfg = EngineConfig(model=args.model, device=getattr(args, "device", None) or "auto")
+    ecfg.cache.gpu_memory_gb = getattr(args, "gpu_memory_gb", None)   # capped replicas may share a GPU
+    plans = plan_replicas(ecfg, n)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(n)
     wargs = type(args)(**{**vars(args), "data_parallel": None})

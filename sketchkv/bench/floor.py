@@ -237,12 +237,14 @@ def available_host_bytes() -> int:
 
 def budgets(device: torch.device, shape: Shape, opts: dict) -> dict:
     """Memory an engine of this run may use for per-agent state, before it is built.
-    gpu: device memory x utilisation - weights - a prefill chunk's activations - 2 GiB (graphs, slack);
+    gpu: device memory (or its gpu_memory_gb cap) x utilisation - weights - a prefill chunk's activations - 2 GiB (graphs, slack);
     on a CPU the dense KV budget (cpu_kv_cache_gb). host: the host tier's budget (its default: half of
     MemAvailable)."""
     chunk = int(opts.get("max_num_batched_tokens") or 8192)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        if opts.get("gpu_memory_gb") is not None:   # the engine treats its cap as the card (cap_gpu_memory)
+            total = min(total, int(float(opts["gpu_memory_gb"]) * 2**30))
         util = float(opts.get("gpu_memory_utilization") or 0.9)
         gpu = min(total * util, free) - shape.param_bytes - activation_estimate(shape, chunk) - 2 * 2**30
         total_gpu = total

@@ -16,7 +16,7 @@ import torch
 
 from sketchkv.config import EngineConfig
 from sketchkv.engine.detokenizer import IncrementalDetokenizer
-from sketchkv.engine.model_runner import ModelRunner
+from sketchkv.engine.model_runner import ModelRunner, load_capped_model
 from sketchkv.engine.phase_timer import PhaseTimer
 from sketchkv.engine.scheduler import Scheduler
 from sketchkv.engine.sequence import Sequence
@@ -24,7 +24,7 @@ from sketchkv.errors import RequestError
 from sketchkv.kv.block_manager import BlockManager
 from sketchkv.layers.rejection_sampler import VerifyOutput
 from sketchkv.layers.sampler import SampleOutput
-from sketchkv.models.loader import load_model, load_model_config
+from sketchkv.models.loader import load_model_config
 from sketchkv.models.tokenizer import Tokenizer
 from sketchkv.sampling_params import SamplingParams
 
@@ -86,7 +86,7 @@ class LLMEngine:
             self.device = self.workers.device
         try:
             torch.manual_seed(cfg.seed)
-            self.model_config, self.model = load_model(cfg.model, self.dtype, self.device)
+            self.model_config, self.model = load_capped_model(cfg, self.dtype, self.device)
             # Random-weight presets have no tokenizer: they take token ids only.
             self.tokenizer = None if cfg.model.startswith("random:") else Tokenizer(cfg.model)
             self.eos_token_ids = set(self.model_config.eos_token_ids) | self._generation_eos(cfg.model)

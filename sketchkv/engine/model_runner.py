@@ -1,6 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model, samples. Owns the KV cache, the Gated
 DeltaNet state slots and the decode CUDA graphs."""
 import dataclasses
+import gc
 import itertools
 import logging
 import math
@@ -40,6 +41,34 @@ def capture_graph(fn, pool):
     with torch.cuda.graph(graph, pool=pool):
         fn()
     return graph, graph.pool()
+
+
+def cap_gpu_memory(device: torch.device, gb: float | None) -> None:
+    """gpu_memory_gb: this process's allocator refuses past `gb` GiB of the card, and the runner sizes its caches
+    against that instead of the card (_free_gpu_bytes). Before the weights load, so they count too."""
+    if gb is None or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if not 0 < gb * 2**30 <= total:
+        raise RequestError(f"gpu_memory_gb={gb} must be above 0 and at most this card's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gb * 2**30 / total, device)
+
+
+def load_capped_model(cfg: EngineConfig, dtype: torch.dtype, device: torch.device):
+    """cap_gpu_memory, then the model's weights -> (ModelConfig, model). Weights that do not fit the GPU (or
+    its gpu_memory_gb cap) are a CapacityError of one line, not an out-of-memory trace."""
+    from sketchkv.models.loader import load_model
+    cap_gpu_memory(device, cfg.cache.gpu_memory_gb)
+    try:
+        return load_model(cfg.model, dtype, device)
+    except torch.cuda.OutOfMemoryError:
+        pass   # outside the handler, so the traceback's tensors are freed before we report
+    gc.collect()
+    torch.cuda.empty_cache()
+    cap = f"gpu_memory_gb={cfg.cache.gpu_memory_gb}" if cfg.cache.gpu_memory_gb is not None else \
+        f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB card"
+    raise CapacityError(f"the weights of {cfg.model} do not fit this GPU ({cap}); use a smaller or int4 (W4A16) "
+                        f"checkpoint, or --tensor-parallel-size")
 
 
 def _sync(device: torch.device) -> None:
@@ -398,12 +427,14 @@ class ModelRunner:
         self.tier = None
         torch.cuda.empty_cache()
         free_now, total = torch.cuda.mem_get_info(self.device)
+        if self.cfg.cache.gpu_memory_gb is not None:   # the card this engine was given (cap_gpu_memory)
+            total = min(total, int(self.cfg.cache.gpu_memory_gb * 2**30))
         held = torch.cuda.memory_allocated(self.device)
         activations = peak - warm_bytes - held
         share = total * self.cfg.cache.gpu_memory_utilization - (peak - warm_bytes)
         # Our share of the card, but never more than is free now: another process (or another engine in
         # this one) may hold part of it. 1 GiB stays free for CUDA graphs and the allocator's slack.
-        left = free_now - activations - 2**30
+        left = min(free_now, total - held) - activations - 2**30
         G = 2**30
         self.memory_report = (f"card {total / G:.1f} GiB, {free_now / G:.1f} free; this engine holds {held / G:.2f} "
                               f"(weights), its warm-up prefill of {n_tok} tokens peaked at {activations / G:.2f} "

@@ -24,7 +24,7 @@ SEED_SPARSE = {"sparse_top_k": 2048, "sparse_sink_tokens": 64, "sparse_recent_to
 
 # Engine knobs that apply to every configuration of an evaluation run (flags of `sketchkv eval ...`).
 BASE_OPTIONS = ("dtype", "device", "block_size", "max_num_batched_tokens", "max_num_seqs", "enforce_eager",
-                "gpu_memory_utilization", "cpu_kv_cache_gb", "num_kv_blocks", "state_cache_gb")
+                "gpu_memory_utilization", "gpu_memory_gb", "cpu_kv_cache_gb", "num_kv_blocks", "state_cache_gb")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ class GatedDeltaNet(nn.Module):
             o = gated_delta_rule_decode(q, k, v, g, beta, self.ssm_state, ctx.state_slots)
         else:
             o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state, ctx.state_slots, ctx.cu_seqlens_q)
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        o = self._gated_norm(o, z)
         return self.out_proj(o.reshape(T, self.value_dim))
 
     def forward_verify(self, qkv, z, g, beta, w, ctx) -> torch.Tensor:
@@ -99,7 +99,7 @@ class GatedDeltaNet(nn.Module):
             y = causal_conv1d_rows(qkv, w, None, self.conv_state, seq_slots, None, Q)   # rows n * Q + t
             self._keep(qkv, y, g, beta)
             o = gated_delta_rule_rows(*self._qkv_heads(y), g, beta, self.ssm_state, seq_slots, None, Q)
-            return self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+            return self._gated_norm(o, z)
         qkv = qkv.contiguous()
         conv_work = self.conv_state[seq_slots]      # transient copy (the recurrent state is read in place)
         y = torch.empty_like(qkv)
@@ -120,7 +120,13 @@ class GatedDeltaNet(nn.Module):
             o[r] = gated_delta_rule_varlen(q[r], k[r], v[r], g[r], beta[r], self.ssm_state, vr.other_slots, vr.other_cu)
         for rows, _, local in vr.steps:
             o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_work, local)
-        return self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self._gated_norm(o, z)
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o [T, Hv, Dv], z [T, value_dim] (a strided split of in_proj's output: read in place, no copy)
+        -> the norm's output [T, Hv, Dv]."""
+        return self.norm(o.reshape(z.shape[0], self.num_v_heads, self.head_v_dim),
+                         z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
     def _keep(self, x, y, g, beta) -> None:
         T = x.shape[0]

@@ -25,8 +25,11 @@ class Tokenizer:
         self.vocab_size = self.tok.get_vocab_size()
         self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt. add_special_tokens: what the tokenizer's post-processor adds (the BOS of a
+        Llama tokenizer.json, of a GGUF with add_bos_token), as transformers and vLLM do for a raw prompt; off for a
+        rendered chat template, which writes its own special tokens."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

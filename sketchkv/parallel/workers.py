@@ -115,8 +115,7 @@ def _exit_with_parent() -> None:
 
 
 def _worker(cfg, rank: int, port: int, device: torch.device, dtype: torch.dtype) -> None:
-    from sketchkv.engine.model_runner import ModelRunner
-    from sketchkv.models.loader import load_model
+    from sketchkv.engine.model_runner import ModelRunner, load_capped_model
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     _exit_with_parent()
@@ -126,7 +125,7 @@ def _worker(cfg, rank: int, port: int, device: torch.device, dtype: torch.dtype)
     if device.type == "cpu":  # ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(cfg.seed)
-    model_cfg, model = load_model(cfg.model, dtype, device)
+    model_cfg, model = load_capped_model(cfg, dtype, device)
     runner = ModelRunner(cfg, model_cfg, model, device, dtype)
     try:
         while True:

@@ -222,12 +222,13 @@ class _Server:
         except SketchKVError as e:
             raise ApiError(400, str(e)) from None
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens: True for a raw prompt (the tokenizer's BOS, as vLLM), False for a rendered chat template."""
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
         if len(text) > _OFFLOAD_CHARS:
-            return await anyio.to_thread.run_sync(self.tokenizer.encode, text)
-        return self.tokenizer.encode(text)
+            return await anyio.to_thread.run_sync(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def check_length(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -498,7 +499,7 @@ def create_app(engine_config: EngineConfig, served_model_name: str | None = None
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # jinja errors from a template that does not accept these messages
             raise ApiError(400, f"chat template: {type(e).__name__}: {e}", "messages") from None
-        ids = await server.encode(text)
+        ids = await server.encode(text, add_special_tokens=False)
         server.check_length(ids, "messages")
         h = _Handle(server, request, f"chatcmpl-{uuid.uuid4().hex}", t0)
         await h.start(ids, params, request.headers.get("x-session-id") or req.user)

@@ -58,9 +58,8 @@ def plan_replicas(cfg: EngineConfig, n: int) -> list[ReplicaPlan]:
         visible = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
         count = torch.cuda.device_count()
         ids = (visible or [str(i) for i in range(count)])[:count]
-        if n > len(ids):
-            raise SketchKVError(f"--data-parallel {n} needs {n} GPUs (one engine per GPU); {len(ids)} visible")
-        gpus = ids[:n]
+        card_gib = min((torch.cuda.get_device_properties(i).total_memory for i in range(count)), default=0) / 2**30
+        gpus = gpus_for_replicas(n, ids, cfg.cache.gpu_memory_gb, card_gib)
     sp = cfg.sparse
     host_gb = sp.host_budget_gb
     if sp.host_tier and host_gb is None:
@@ -74,6 +73,19 @@ def plan_replicas(cfg: EngineConfig, n: int) -> list[ReplicaPlan]:
         c.sparse.host_budget_gb = host_gb
         plans.append(ReplicaPlan(i, c, gpus[i], 0 if cuda else max(1, (os.cpu_count() or 1) // n)))
     return plans
+
+
+def gpus_for_replicas(n: int, ids: list[str], cap_gb: float | None, card_gib: float) -> list[str]:
+    """Replica i on GPU ids[i % len(ids)]: one engine per GPU, or, when each engine is capped to gpu_memory_gb
+    and that many caps fit a card, several per GPU (their allocators each refuse past their cap)."""
+    if n <= len(ids):
+        return ids[:n]
+    per_gpu = -(-n // max(1, len(ids)))
+    if not ids or cap_gb is None or per_gpu * cap_gb > card_gib:
+        share = f"; {per_gpu} x gpu_memory_gb={cap_gb} exceeds a {card_gib:.1f} GiB card" if ids and cap_gb else \
+            " (or cap each engine with --gpu-memory-gb so that several fit one card)"
+        raise SketchKVError(f"--data-parallel {n} needs {n} GPUs (one engine per GPU); {len(ids)} visible{share}")
+    return [ids[i % len(ids)] for i in range(n)]
 
 
 # ---- the replica process -------------------------------------------------------------------------
