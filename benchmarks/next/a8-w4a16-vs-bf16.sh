@@ -23,4 +23,5 @@ for f in sorted(glob.glob(os.environ["OUT"] + "/a8-*.json")):
           "gpu busy ms", bd.get("gpu_busy_ms"))
     print("  by kind ms:", {k: round(v, 2) for k, v in bd.get("ms", {}).items()})
 PY
+tar -C ~/.triton -cJf $OUT/tcb.txz cache 2>/dev/null; ls -la $OUT/tcb.txz >> $L
 cat $L
