@@ -130,9 +130,9 @@ def date_of(d: str) -> str:
 
 
 def device_of(d: str) -> str:
-    """From the folder's name (h200, h200x2, cpu), else call.json, else the README's first lines."""
+    """From the folder's name (h200, h200x2, h100, cpu), else call.json, else the README's first lines."""
     for pat, name in ((r"h200x8", "8 x H200"), (r"h200x4", "4 x H200"), (r"h200x2", "2 x H200"), (r"h200", "H200"),
-                      (r"cpu", "CPU")):
+                      (r"h100", "H100"), (r"cpu", "CPU")):
         if re.search(pat, d):
             return name
     text = ""

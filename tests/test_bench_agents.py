@@ -231,6 +231,18 @@ def test_point_flags():
         ("--sparse-host-format=k8v4", ""),)
 
 
+def test_data_parallel_places_replicas_with_the_parsed_memory_cap():
+    """--gpu-memory-gb reaches replica placement as a number (a string crashed H100 run 2026-12-05 before any
+    replica started), and several capped replicas share one card only when their caps fit."""
+    from sketchkv.bench.data_parallel import replica_config
+    from sketchkv.server.replica import gpus_for_replicas
+    args = build_parser().parse_args(["bench", "agents", "--data-parallel", "2", "--gpu-memory-gb", "23.5"])
+    cap = replica_config(args).cache.gpu_memory_gb
+    assert cap == 23.5 and isinstance(cap, float)
+    assert gpus_for_replicas(2, ["0"], cap, 79.2) == ["0", "0"]
+    assert replica_config(build_parser().parse_args(["bench", "agents"])).cache.gpu_memory_gb is None
+
+
 def test_data_parallel_replicas_and_ratio(tmp_path):
     """--data-parallel 1 2: one replica process alone, then two at once (CPU: sharing the cores), windows started
     together at a barrier; combined tok/s over the common window, and the ratio to one replica. Then the ratio

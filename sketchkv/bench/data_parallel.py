@@ -58,16 +58,23 @@ def _replica(args, bench: str, index: int, gpu: str | None, threads: int, barrie
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
+def replica_config(args):
+    """The engine settings that place replicas on GPUs: device and the per-engine memory cap (flags parsed
+    the way every configuration's engine gets them)."""
+    from sketchkv.config import EngineConfig
+    from sketchkv.eval.common import base_options
+    cfg = EngineConfig(model=args.model, device=getattr(args, "device", None) or "auto")
+    cfg.cache.gpu_memory_gb = base_options(args).get("gpu_memory_gb")   # capped replicas may share a GPU
+    return cfg
+
+
 def run_replicas(args, n: int, bench: str) -> list[dict]:
     """Run the points on n replica processes at once; each one's results dict, in replica order."""
     import multiprocessing as mp
 
-    from sketchkv.config import EngineConfig
     from sketchkv.errors import SketchKVError
     from sketchkv.server.replica import plan_replicas
-    ecfg = EngineConfig(model=args.model, device=getattr(args, "device", None) or "auto")
-    ecfg.cache.gpu_memory_gb = getattr(args, "gpu_memory_gb", None)   # capped replicas may share a GPU
-    plans = plan_replicas(ecfg, n)
+    plans = plan_replicas(replica_config(args), n)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(n)
     wargs = type(args)(**{**vars(args), "data_parallel": None})

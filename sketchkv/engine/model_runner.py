@@ -48,10 +48,11 @@ def cap_gpu_memory(device: torch.device, gb: float | None) -> None:
     against that instead of the card (_free_gpu_bytes). Before the weights load, so they count too."""
     if gb is None or device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = torch.cuda.current_device() if device.index is None else device.index   # the call wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
     if not 0 < gb * 2**30 <= total:
         raise RequestError(f"gpu_memory_gb={gb} must be above 0 and at most this card's {total / 2**30:.1f} GiB")
-    torch.cuda.set_per_process_memory_fraction(gb * 2**30 / total, device)
+    torch.cuda.set_per_process_memory_fraction(gb * 2**30 / total, index)
 
 
 def load_capped_model(cfg: EngineConfig, dtype: torch.dtype, device: torch.device):

@@ -21,6 +21,11 @@ OFF = 128 (bf16) / 1024 (fp16) builds the float by OR-ing the nibble into the ma
 (Marlin's trick: no conversion instruction); OFF = 0 converts (fp32 activations).
 Split-K: SPLIT_K programs per output tile write fp32 partials; the last to finish (a per-tile counter, reset
 by that program, so the kernel is graph-capturable) sums them in split order and writes the output.
+The 4-byte copies are not what holds the kernel at ~50% of the floor: words stored K-major ([N, K / 8], the
+shared tile's order; every copy 16 bytes in the sm_90 PTX) measured on an H100 on 2026-12-05 (runs 106 vs 105,
+run 98's TUNED configs) gate_up 18% slower, the other shapes 5-11% faster, the 27B step's GEMMs 8.59 ms vs
+8.29 ms at M = 8, and the same 8 x 250K engine ratio to bf16 (1.36x); so the layout stays N-major. Not
+tried: a per-tile contiguous layout, a sweep of configs for K-major words, a profile of the loop's stalls.
 
 Small M (decode), _gemv_kernel: CUDA cores, built for bandwidth. H200 run 98 had the tensor-core kernel at
 38-42% of the int4 floor at M = 1, 8: its words reach shared memory by 4-byte cp.async (Triton orders the
@@ -247,7 +252,8 @@ class GemvConfig:
 
 # The small-M kernel serves M <= GEMV_MAX_M (no tensor cores: 2 lane-instructions per weight and row at M = 1, one
 # FFMA per extra row, so it can only win at the smallest M). 0 = off until an H200 run picks the threshold and
-# GEMV_TUNED entries ((M, N, K) -> GemvConfig) with `benchmarks/bench_w4a16_gemm.py --gemv`.
+# GEMV_TUNED entries ((M, N, K) -> GemvConfig) with `benchmarks/bench_w4a16_gemm.py --gemv`. H100 run 105
+# (2026-12-05): it wins only gate_up at M = 1 (42.6 vs 54.6 us), loses the other 19 (shape, M <= 8) points.
 GEMV_MAX_M = 0
 GEMV_TUNED: dict[tuple[int, int, int], GemvConfig] = {}
 
