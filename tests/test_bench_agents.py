@@ -265,6 +265,8 @@ def test_data_parallel_replicas_and_ratio(tmp_path):
     assert two["command"].endswith("--agents 1 --contexts 1024 --data-parallel 2")
     md = (tmp_path / "dp.md").read_text()
     assert "## Data-parallel replicas" in md and "| 2 x 1 x 1K |" in md
+    gpu, host = (two["replicas"][0][k] for k in ("gpu_bytes_per_agent", "host_bytes_per_agent"))
+    assert f"{gpu / 1e9:.3f} / {host / 1e9:.2f}" in md   # memory per agent of each replica
     # the ratio from a separate single-GPU file
     with open(tmp_path / "only-dp2.json", "w") as f:
         json.dump({**r, "rows": [], "dp_rows": [two]}, f)

@@ -132,7 +132,9 @@ def combine(replicas: list[dict], n: int, argv: list[str], bench) -> list[dict]:
                                 "overlap": shared / (end - start)},
                      "replicas": [{"replica": i, "tok_s": x["decode"]["tok_s"], "step_ms_mean": x["decode"]["step_ms_mean"],
                                    "window": x["decode"]["window"], "floor_fraction": x["floor"]["fraction"],
-                                   "host_bytes_per_agent": x["memory"].get("host_bytes_per_agent")}
+                                   "host_bytes_per_agent": x["memory"].get("host_bytes_per_agent"),
+                                   "gpu_bytes_per_agent": x["memory"].get("gpu_bytes_per_agent"),
+                                   "gpu_bytes_peak_process": x["memory"].get("gpu_bytes_peak_process")}
                                   for i, x in enumerate(reps)],
                      "replica_rows": list(reps)})
     return rows
@@ -202,16 +204,24 @@ def markdown(r: dict, ref: dict) -> list[str]:
          "time every replica was inside its window / that span. vs 1 replica: combined / one replica's tok/s at the "
          "same per-replica point.", "",
          "| config | replicas x agents x context | tok/s combined | per replica tok/s (ms/step) | window s | overlap | "
-         "vs 1 replica | cmd |", "|" + "---|" * 8]
+         "vs 1 replica | per replica GPU / host GB per agent (GPU peak GB) | cmd |", "|" + "---|" * 9]
     for row in r["dp_rows"]:
         tag = f"{row['data_parallel']} x {row['agents_per_replica']} x {C.fmt_len(row['context'])}"
         if row["status"] != "ok":
-            L.append(f"| {row['label']} | {tag} | {row['status']}: {row['reason']} | | | | | [{ref[row['command']]}] |")
+            L.append(f"| {row['label']} | {tag} | {row['status']}: {row['reason']} | | | | | | [{ref[row['command']]}] |")
             continue
         d = row["decode"]
         per = "; ".join(f"{x['tok_s']:.1f} ({x['step_ms_mean']:.2f})" for x in row["replicas"])
         ratio = "–" if row.get("ratio_vs_1") is None else f"{row['ratio_vs_1']:.2f}x"
+        mem = "; ".join(_memory_cell(x) for x in row["replicas"])
         L.append(f"| {row['label']} | {tag} | {d['tok_s']:.1f} | {per} | {d['window_s']:.2f} | {d['overlap']:.0%} | "
-                 f"{ratio} | [{ref[row['command']]}] |")
+                 f"{ratio} | {mem} | [{ref[row['command']]}] |")
     return L
 
+
+
+def _memory_cell(x: dict) -> str:
+    """'GPU / host GB per agent (peak GB of the process's allocator)'; '-' for what a replica did not report."""
+    gb = lambda v, f: "-" if v is None else format(v / 1e9, f)   # noqa: E731
+    return (f"{gb(x.get('gpu_bytes_per_agent'), '.3f')} / {gb(x.get('host_bytes_per_agent'), '.2f')} "
+            f"({gb(x.get('gpu_bytes_peak_process'), '.1f')})")
