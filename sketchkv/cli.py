@@ -190,11 +190,18 @@ the output is compressed-tensors pack-quantized (rtn) or AutoRound's GPTQ/AWQ pa
 and vLLM load it too; run it with: sketchkv generate --model OUT""",
     "bench": """examples:
   sketchkv bench agents --device cpu --agents 1 2 --contexts 1K 2K --decode-tokens 16     # tiny, reference model
-  sketchkv bench agents --model random:qwen3.5-27b --agents 8 --contexts 250K --configs sparse --fill random""",
+  sketchkv bench agents --model random:qwen3.5-27b --agents 8 --contexts 250K --configs sparse --fill random
+  sketchkv bench step --device cpu --agents 1 --context 1K --steps 4 --profile         # tiny, reference model""",
     "bench agents": """examples:
   sketchkv bench agents --device cpu --agents 1 2 --contexts 1K 2K --decode-tokens 16     # tiny, reference model
   sketchkv bench agents --model random:qwen3.5-27b --agents 1 8 --contexts 128K 250K --configs sparse dense hf \\
       --fill random --breakdown                                                         # one H200""",
+    "bench step": """examples:
+  sketchkv bench step --device cpu --agents 1 --context 1K --steps 4 --profile         # CPU: timed regions
+  sketchkv bench step --model random:qwen3.5-27b --agents 8 --context 250K --fill random --sparse-host-format int4 \\
+      --profile                                                           # one H100 / H200: the kernel timeline
+  sketchkv bench step --model random:qwen3.5-27b-w4a16 --agents 1 --context 128K --fill random --profile \\
+      --out-dir benchmarks/results/step-2026-12-05     # files: step-MODEL-CONFIG-NxL-DATE.json / .md / .png""",
 }
 
 
@@ -324,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench_command", required=True)
     from sketchkv.bench import COMMANDS as BENCH, module as bench_module
     bhelps = {"agents": "N agents x L tokens decoding concurrently, then a follow-up turn: sparse + host tier vs "
-                        "dense vs transformers"}
+                        "dense vs transformers",
+              "step": "one decode step of N agents x L tokens against its bytes floor; --profile: kernel by kernel "
+                      "(timeline, gaps, time per kernel kind)"}
     for name in BENCH:
         bp = _sub(bsub, name, f"bench {name}", help=bhelps[name], description=bench_module(name).__doc__)
         bench_module(name).add_args(bp)

@@ -125,7 +125,7 @@ def parse_agents(s: str):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from sketchkv.config import add_dataclass_args, default_model
+    from sketchkv.config import default_model
     p.add_argument("--model", default=default_model(),
                    help="model directory, or random:PRESET (random:qwen3.5-27b: the 27B shape, random weights)")
     p.add_argument("--agents", type=parse_agents, nargs="+", default=[1, 2],
@@ -165,6 +165,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="with --num-speculative-tokens on a random-weight model (its drafts are rejected, so every "
                         "step verifies n drafts and keeps one token): also report agents x L / measured step time, "
                         "L = the mean accepted length measured on a trained model (benchmarks/bench_mtp.py)")
+    add_engine_args(p)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags a benchmark point takes (base options + sparse and speculative knobs; `bench step` too)."""
+    from sketchkv.config import add_dataclass_args
     keep = set(C.BASE_OPTIONS) | set(SPARSE_KNOBS) | set(SPEC_KNOBS)
     g = p.add_argument_group("engine options (every sketchkv configuration)")
     add_dataclass_args(g, skip=tuple(n for n, _, _ in flat_fields() if n not in keep))
@@ -353,7 +359,7 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     dev, r, sp = eng.device, eng.runner, eng.cfg.sparse
     vocab = eng.model_config.vocab_size
     bs = r.block_size
-    filled = 0 if args.fill == "real" else max(0, (L - max(args.tail, bs)) // bs * bs)
+    filled = fill_tokens(args, L, bs)
     chunk = eng.cfg.scheduler.max_num_batched_tokens
     max_tokens = turn1_max_tokens(args, n, L - filled, chunk)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -362,38 +368,7 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
         from sketchkv.errors import CapacityError
         raise CapacityError(f"{n} agents need {need} KV blocks, the engine has {eng.blocks.num_blocks - 1}")
     prompts, msgs = agent_prompts(stream, n, L, args, vocab)
-    gen = torch.Generator(device=dev).manual_seed(args.seed)
-    # ---- cold prefill
-    _sync(dev)
-    t0 = time.perf_counter()
-    seqs = []
-    for ids in prompts:
-        seq = eng.add_request(ids, params)
-        if filled:
-            fill_random(eng, seq, filled, gen)
-        seqs.append(seq)
-    _sync(dev)
-    t_fill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    steps = 0
-    # the cold prefill at full speed: no decode-only steps for agents that finished theirs (the engine's
-    # decode_time_share), so those decode at most one token per prefill step, as turn1_max_tokens counts
-    share, eng.scheduler.cfg.decode_time_share = eng.scheduler.cfg.decode_time_share, 0.0
-    try:   # the engine serves the next points too
-        while not all(s.output_token_ids for s in seqs):
-            cached = sum(s.num_cached for s in seqs)
-            # a prompt chunk step returns no outputs (partly prefilled sequences are not "running" yet):
-            # progress is tokens cached or tokens out
-            if not eng.step() and sum(s.num_cached for s in seqs) == cached:
-                raise RuntimeError("the engine made no progress during prefill")
-            steps += 1
-    finally:
-        eng.scheduler.cfg.decode_time_share = share
-    _sync(dev)
-    prefill_s = time.perf_counter() - t0
-    prefill = {"mode": args.fill, "filled_tokens_per_agent": filled, "fill_seconds": t_fill,
-               "tokens": n * (L - filled), "seconds": prefill_s, "tok_s": n * (L - filled) / prefill_s,
-               "steps": steps, "chunk": chunk}
+    seqs, prefill = prefill_agents(eng, prompts, filled, params, args.fill, args.seed)
     # ---- decode window: every agent in the batch
     assert len(eng.scheduler.running) == n and not eng.scheduler.waiting, "not every agent is decoding"
     for _ in range(args.warmup_steps):
@@ -444,12 +419,7 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
                 "pcie_write_bytes_per_step": (tier1.pcie_write_bytes - tier0.pcie_write_bytes) / nsteps,
                 "host_row_bytes": r.tier.store.row_bytes, "host_bytes_allocated": tier1.host_bytes,
                 "gpu_bytes_allocated": tier1.gpu_bytes}
-    selected = sp.sink_tokens + sp.top_k + sp.recent_tokens
-    b = F.step_bytes(shape, config == "sparse", n, ctx_mean, selected, pcie,
-                     resident=sp.sink_tokens + sp.recent_tokens, host_format=sp.host_format if tier0 is not None else None)
-    fl = F.floor_seconds(b, bw["hbm"], bw["pcie"] or bw["hbm"])
-    floor = dict(fl, tok_s=n / fl["total_s"], fraction=fl["total_s"] / step_s,
-                 fraction_hbm_only=fl["hbm_s"] / step_s, ms=1e3 * fl["total_s"])
+    b, floor = step_floor(shape, sp, config, n, ctx_mean, pcie, tier0 is not None, bw, step_s)
     # ---- memory per agent: the engine's accounting and the arithmetic
     if config == "sparse":
         gpu_agent = statistics.fmean(per_seq[s.request_id].gpu_bytes for s in seqs) + r.state_bytes_per_seq
@@ -506,6 +476,65 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
         eng.abort(rid)
     return {"decode": decode, "bytes_per_step": b, "floor": floor, "memory": memory, "tier": tier,
             "prefill": prefill, "followup": fu, "breakdown": bd}
+
+
+def fill_tokens(args, L: int, block_size: int) -> int:
+    """Tokens per agent that --fill random writes directly (whole blocks, all but the last --tail); 0 for real."""
+    return 0 if args.fill == "real" else max(0, (L - max(args.tail, block_size)) // block_size * block_size)
+
+
+def prefill_agents(eng, prompts: list[list[int]], filled: int, params, fill: str, seed: int) -> tuple[list, dict]:
+    """Add one request per prompt (the first `filled` tokens of each from random caches), prefill the rest until
+    every agent has its first token -> (sequences, the prefill's timings)."""
+    import torch
+    dev = eng.device
+    chunk = eng.cfg.scheduler.max_num_batched_tokens
+    n, L = len(prompts), len(prompts[0])
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    # ---- cold prefill
+    _sync(dev)
+    t0 = time.perf_counter()
+    seqs = []
+    for ids in prompts:
+        seq = eng.add_request(ids, params)
+        if filled:
+            fill_random(eng, seq, filled, gen)
+        seqs.append(seq)
+    _sync(dev)
+    t_fill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    steps = 0
+    # the cold prefill at full speed: no decode-only steps for agents that finished theirs (the engine's
+    # decode_time_share), so those decode at most one token per prefill step, as turn1_max_tokens counts
+    share, eng.scheduler.cfg.decode_time_share = eng.scheduler.cfg.decode_time_share, 0.0
+    try:   # the engine serves the next points too
+        while not all(s.output_token_ids for s in seqs):
+            cached = sum(s.num_cached for s in seqs)
+            # a prompt chunk step returns no outputs (partly prefilled sequences are not "running" yet):
+            # progress is tokens cached or tokens out
+            if not eng.step() and sum(s.num_cached for s in seqs) == cached:
+                raise RuntimeError("the engine made no progress during prefill")
+            steps += 1
+    finally:
+        eng.scheduler.cfg.decode_time_share = share
+    _sync(dev)
+    prefill_s = time.perf_counter() - t0
+    prefill = {"mode": fill, "filled_tokens_per_agent": filled, "fill_seconds": t_fill,
+               "tokens": n * (L - filled), "seconds": prefill_s, "tok_s": n * (L - filled) / prefill_s,
+               "steps": steps, "chunk": chunk}
+    return seqs, prefill
+
+
+def step_floor(shape, sp, config: str, n: int, ctx_mean: float, pcie: float, tiered: bool, bw: dict,
+               step_s: float) -> tuple[dict, dict]:
+    """-> (bytes one step must move, its floor: seconds at the run's bandwidths, tok/s, fraction of step_s)."""
+    from sketchkv.bench import floor as F
+    selected = sp.sink_tokens + sp.top_k + sp.recent_tokens
+    b = F.step_bytes(shape, config == "sparse", n, ctx_mean, selected, pcie,
+                     resident=sp.sink_tokens + sp.recent_tokens, host_format=sp.host_format if tiered else None)
+    fl = F.floor_seconds(b, bw["hbm"], bw["pcie"] or bw["hbm"])
+    return b, dict(fl, tok_s=n / fl["total_s"], fraction=fl["total_s"] / step_s,
+                   fraction_hbm_only=fl["hbm_s"] / step_s, ms=1e3 * fl["total_s"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -600,6 +629,22 @@ def capacity(shape, config: str, L: int, extra: int, budget: dict, sp, cfg=None)
             "max_agents": F.max_agents(per, budget, config)}
 
 
+def engine_base(args) -> dict:
+    """The engine options the command line sets (base options, sparse and speculative knobs), parsed."""
+    base = {**C.base_options(args), **{k: v for k in SPARSE_KNOBS + SPEC_KNOBS
+                                       if (v := getattr(args, k, None)) is not None}}
+    return {k: (C._parse_value(v, C._flat_fields()[k]) if isinstance(v, str) else v) for k, v in base.items()}
+
+
+def engine_options(args, base: dict, config: str, agents: int, max_len: int, shape) -> dict:
+    """LLM(...) keywords of a sparse or dense engine for `agents` sequences of up to max_len tokens."""
+    opts = dict(base, max_num_seqs=agents, max_model_len=max_len,
+                sparse=config == "sparse", sparse_host_tier=config == "sparse")
+    if getattr(args, "state_cache_gb", None) is None:
+        opts["state_cache_gb"] = max(8.0, 4 * agents * shape.gdn_state / 2**30)
+    return opts
+
+
 def run(args, name: str, write: bool = True) -> dict:
     """Every point; write=False: only return the results (a data-parallel replica)."""
     import torch
@@ -608,9 +653,7 @@ def run(args, name: str, write: bool = True) -> dict:
     from sketchkv.engine.llm_engine import resolve_device, resolve_dtype
     from sketchkv.errors import SketchKVError
     from sketchkv.llm import LLM
-    base = {**C.base_options(args), **{k: v for k in SPARSE_KNOBS + SPEC_KNOBS
-                                       if (v := getattr(args, k, None)) is not None}}
-    base = {k: (C._parse_value(v, C._flat_fields()[k]) if isinstance(v, str) else v) for k, v in base.items()}
+    base = engine_base(args)
     cfg0 = build_config(model=args.model, **base)
     dev = resolve_device(cfg0.device)
     dtype = resolve_dtype(cfg0.dtype, dev)
@@ -689,10 +732,7 @@ def run(args, name: str, write: bool = True) -> dict:
             else:
                 nmax = max(n for _, _, n in runnable)
                 lmax = max(L + turn1_max_tokens(args, n, L, chunk) for L, _, n in runnable) + extra_fu
-                opts = dict(base, max_num_seqs=nmax, max_model_len=min(max_pos, lmax),
-                            sparse=cfgname == "sparse", sparse_host_tier=cfgname == "sparse")
-                if getattr(args, "state_cache_gb", None) is None:
-                    opts["state_cache_gb"] = max(8.0, 4 * nmax * shape.gdn_state / 2**30)
+                opts = engine_options(args, base, cfgname, nmax, min(max_pos, lmax), shape)
                 log(f"{cfgname}: building the engine for up to {nmax} agents x {lmax} tokens")
                 llm = LLM(args.model, **opts)
         except (SketchKVError, torch.OutOfMemoryError, ValueError, ImportError) as e:

@@ -27,6 +27,7 @@ benchmark times: compare the sums with the graph step time, or use the fractions
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from contextlib import contextmanager
@@ -132,40 +133,154 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def profile_kernels(engine, steps: int, top: int = 300) -> dict:
-    """`steps` decode steps as the benchmark runs them (CUDA graphs) under torch.profiler.
-    -> {"ms": {kind: ms per step}, "total_ms", "steps", "kernels": [{name, kind, calls, us} per step]}."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_steps(engine, steps: int) -> dict:
+    """`steps` decode steps as the benchmark runs them (CUDA graphs) under torch.profiler, each step in a
+    `bench.step` range that ends with a device sync (as the timed steps do).
+    -> {"spans": [(stream, start us, end us, name, launched by a graph replay)] of every kernel, "per_step":
+    those spans split by step (split_steps), "windows": each step's host (start, end) in us on the kernels'
+    clock, "steps": n}."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)   # (CPU: no kernels, windows only)
     engine.step()                       # warm: the profiled steps replay captured graphs
-    torch.cuda.synchronize()
+    sync()
     done = 0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             if not engine.scheduler.running:
                 break
-            engine.step()
+            with record_function("bench.step"):
+                engine.step()
+                sync()
             done += 1
-        torch.cuda.synchronize()
-    per, spans = {}, []
-    for ev in prof.events():
-        # record_function ranges (llm_engine.step's phases) show up on the GPU timeline too: not kernels
-        if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(ev, "is_user_annotation", False) \
-                or ev.name.startswith(("runner.", "spec.")):
+    spans, windows, launches = [], [], set()
+    events = prof.events()
+    for ev in events:   # a graph replay's kernels carry the correlation id of its cudaGraphLaunch call
+        if ev.device_type != torch.autograd.DeviceType.CUDA and ev.name.startswith("cudaGraphLaunch"):
+            launches.add(ev.id)
+    for ev in events:
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            if ev.name == "bench.step":
+                windows.append((ev.time_range.start, ev.time_range.end))
             continue
-        t = ev.time_range.elapsed_us()
-        c, u = per.get(ev.name, (0, 0.0))
-        per[ev.name] = (c + 1, u + t)
-        spans.append((ev.device_resource_id, ev.time_range.start, ev.time_range.end))
-    n = max(1, done)
-    streams = stream_times(spans, n)
+        # record_function ranges (llm_engine.step's phases) show up on the GPU timeline too: not kernels
+        if getattr(ev, "is_user_annotation", False) or ev.name.startswith(("runner.", "spec.", "bench.")):
+            continue
+        spans.append((ev.device_resource_id, ev.time_range.start, ev.time_range.end, ev.name, ev.id in launches))
+    windows.sort()
+    return {"spans": spans, "per_step": split_steps(spans, [w[0] for w in windows]), "windows": windows,
+            "steps": done}
+
+
+def kernel_summary(spans, steps: int, top: int = 300) -> dict:
+    """spans [(stream, start us, end us, name)] of `steps` steps -> per step: kernel time by kind and by name,
+    kernels per step, each stream's busy time and the GPU's (stream_times)."""
+    per = {}
+    for _, a, b, name, *_ in spans:
+        c, u = per.get(name, (0, 0.0))
+        per[name] = (c + 1, u + (b - a))
+    n = max(1, steps)
+    streams = stream_times([s[:3] for s in spans], n)
     kernels = sorted(({"name": k[:120], "kind": kernel_kind(k), "calls": c / n, "us": u / n}
                       for k, (c, u) in per.items()), key=lambda r: -r["us"])
     ms: dict[str, float] = {}
     for r in kernels:
         ms[r["kind"]] = ms.get(r["kind"], 0.0) + r["us"] / 1e3
-    return {"ms": dict(sorted(ms.items(), key=lambda kv: -kv[1])), "total_ms": sum(ms.values()), "steps": done,
+    return {"ms": dict(sorted(ms.items(), key=lambda kv: -kv[1])), "total_ms": sum(ms.values()), "steps": steps,
             "kernels": kernels[:top], "kernels_per_step": sum(r["calls"] for r in kernels), **streams,
             "method": "torch.profiler kernel times over CUDA-graph decode steps"}
+
+
+def profile_kernels(engine, steps: int, top: int = 300) -> dict:
+    """`steps` decode steps as the benchmark runs them (CUDA graphs) under torch.profiler.
+    -> {"ms": {kind: ms per step}, "total_ms", "steps", "kernels": [{name, kind, calls, us} per step]}."""
+    p = profile_steps(engine, steps)
+    return kernel_summary(p["spans"], p["steps"], top)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One step's timeline (`sketchkv bench step --profile`); pure functions of kernel spans
+# ----------------------------------------------------------------------------------------------------------
+def split_steps(spans, starts) -> list[list]:
+    """spans [(stream, start us, end us, ...)] -> one list per step, each ordered by start: step i holds the
+    spans that start in [starts[i], starts[i + 1]) (the last step: from starts[-1] on). Kernels before the
+    first step are dropped. Exact when each step ends with a device sync: its kernels start inside it."""
+    out = [[] for _ in starts]
+    for sp in sorted(spans, key=lambda s: (s[1], s[2])):
+        i = bisect.bisect_right(starts, sp[1]) - 1
+        if i >= 0:
+            out[i].append(sp)
+    return out
+
+
+def step_timeline(spans, window: tuple | None = None, top_gaps: int = 20) -> dict:
+    """One step's kernel spans [(stream, start us, end us, name[, in_graph])] -> its timeline, in start order.
+
+    Each kernel: start_us (from the step's first kernel), us, gap_us = the GPU's idle time before it (no kernel
+    of any stream running; a CUDA graph replay spreads one step's kernels over several hardware streams, so a
+    gap on one stream is not the GPU waiting), kind, stream (0 = the busiest), graph (launched by the graph
+    replay; False without the flag). Totals: kernel_ms (sum of kernel times; overlapping kernels counted twice),
+    busy_ms (union of kernels: GPU busy), span_ms (first kernel start to last kernel end), gap_ms = span_ms -
+    busy_ms (the sum of the gaps); with window (the step's host start, end on the same clock): host_ms, lead_ms
+    (host work before the first kernel), tail_ms (after the last one). main_stream: the busiest stream's busy
+    ms, kernels and gaps (its span - its busy time). graph (when any kernel is a graph's): the same from its
+    first kernel's start to its last one's end; what lies outside is the step's eager work (inputs, sampling)
+    and the host's launch. Per kind: ms and count. The `top_gaps` largest gaps (top_graph_gaps: those inside the
+    graph) with the kernel that ended last before each and the kernel after it."""
+    sp = sorted(spans, key=lambda s: (s[1], s[2]))
+    if not sp:
+        return {"kernels": [], "totals": {"kernels": 0, "kernel_ms": 0.0, "busy_ms": 0.0, "span_ms": 0.0,
+                                          "gap_ms": 0.0, "gaps": 0, "streams": 0}, "by_kind": {}, "top_gaps": [],
+                "top_graph_gaps": [], "gap_ms_before_kind": {}}
+    busy_by = {}
+    for s, a, b, *_ in sp:
+        busy_by.setdefault(s, []).append((a, b))
+    order = sorted(busy_by, key=lambda s: -busy_us(busy_by[s]))
+    idx = {s: i for i, s in enumerate(order)}
+    t0 = sp[0][1]
+    graph = [len(x) > 4 and bool(x[4]) for x in sp]
+    g0 = min((x[1] for x, g in zip(sp, graph) if g), default=None)
+    g1 = max((x[2] for x, g in zip(sp, graph) if g), default=None)
+    kernels, gaps, by_kind, gap_kind = [], [], {}, {}
+    end, last = float("-inf"), None   # the latest end so far and the kernel that has it
+    for i, (s, a, b, name, *_) in enumerate(sp):
+        kind = kernel_kind(name)
+        gap = max(0.0, a - end) if i else 0.0
+        kernels.append({"start_us": a - t0, "us": b - a, "gap_us": gap, "kind": kind, "stream": idx[s],
+                        "graph": graph[i], "name": name[:120]})
+        if gap > 0:
+            gaps.append((gap, i, last, g0 is not None and g0 < a <= g1))
+            gap_kind[kind] = gap_kind.get(kind, 0.0) + gap / 1e3
+        c, ms = by_kind.get(kind, (0, 0.0))
+        by_kind[kind] = (c + 1, ms + (b - a) / 1e3)
+        if b > end:
+            end, last = b, i
+    busy = busy_us([x[1:3] for x in sp])
+    span = end - t0
+    main = busy_by[order[0]]
+    main_busy = busy_us(main)
+    totals = {"kernels": len(sp), "kernel_ms": sum(x[2] - x[1] for x in sp) / 1e3, "busy_ms": busy / 1e3,
+              "span_ms": span / 1e3, "gap_ms": (span - busy) / 1e3, "gaps": len(gaps),
+              "streams": len(order),
+              "main_stream": {"kernels": len(main), "busy_ms": main_busy / 1e3,
+                              "gap_ms": (max(b for _, b in main) - min(a for a, _ in main) - main_busy) / 1e3}}
+    if g0 is not None:
+        inside = [g for g in gaps if g[3]]
+        gap_in = sum(g[0] for g in inside)
+        totals["graph"] = {"kernels": sum(graph), "start_ms": (g0 - t0) / 1e3, "span_ms": (g1 - g0) / 1e3,
+                           "busy_ms": (g1 - g0 - gap_in) / 1e3, "gap_ms": gap_in / 1e3, "gaps": len(inside)}
+    if window is not None:
+        totals.update(host_ms=(window[1] - window[0]) / 1e3, lead_ms=(t0 - window[0]) / 1e3,
+                      tail_ms=(window[1] - end) / 1e3)
+
+    def top(gs):
+        return [{"gap_us": gap, "at_us": kernels[i]["start_us"] - gap, "index": i, "in_graph": ing,
+                 "before": {k: kernels[j][k] for k in ("name", "kind", "us")},
+                 "after": {k: kernels[i][k] for k in ("name", "kind", "us")}}
+                for gap, i, j, ing in sorted(gs, key=lambda g: -g[0])[:top_gaps]]
+    return {"kernels": kernels, "totals": totals,
+            "by_kind": {k: {"ms": ms, "count": c} for k, (c, ms) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+            "top_gaps": top(gaps), "top_graph_gaps": top([g for g in gaps if g[3]]),
+            "gap_ms_before_kind": dict(sorted(gap_kind.items(), key=lambda kv: -kv[1]))}
 
 
 def busy_us(spans) -> float:

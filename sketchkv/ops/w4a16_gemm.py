@@ -24,8 +24,13 @@ by that program, so the kernel is graph-capturable) sums them in split order and
 The 4-byte copies are not what holds the kernel at ~50% of the floor: words stored K-major ([N, K / 8], the
 shared tile's order; every copy 16 bytes in the sm_90 PTX) measured on an H100 on 2026-12-05 (runs 106 vs 105,
 run 98's TUNED configs) gate_up 18% slower, the other shapes 5-11% faster, the 27B step's GEMMs 8.59 ms vs
-8.29 ms at M = 8, and the same 8 x 250K engine ratio to bf16 (1.36x); so the layout stays N-major. Not
-tried: a per-tile contiguous layout, a sweep of configs for K-major words, a profile of the loop's stalls.
+8.29 ms at M = 8, and the same 8 x 250K engine ratio to bf16 (1.36x); so the layout stays N-major. Nor are
+the MMA's waits: H100 ncu (run 107) found ptxas serializing the 32 wgmmas of a BLOCK_N 128 x 4-warp K tile (a
+WARPGROUP.DEPBAR after every HGMMA; barrier stalls 32%, DRAM 52%), yet subtracting integer zeros from the 16-bit
+weights (one dot per group: 16 HGMMAs and one DEPBAR per tile in the SASS) left gate_up at the same 54 us and
+slowed the BLOCK_N 64 shapes 2x (run 109), and mma.sync (DISABLE_MMA_V3=1) was 10-30% slower at M <= 8 even
+with its own configs (run 108). Not tried: a per-tile contiguous layout, more bytes in flight per SM (a
+persistent or warp-specialized kernel, TMA loads of the words).
 
 Small M (decode), _gemv_kernel: CUDA cores, built for bandwidth. H200 run 98 had the tensor-core kernel at
 38-42% of the int4 floor at M = 1, 8: its words reach shared memory by 4-byte cp.async (Triton orders the
