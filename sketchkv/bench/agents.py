@@ -376,24 +376,14 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
     per_seq = llm.tier_stats(per_sequence=True) if r.tier is not None else {}
     lens0 = [len(s) for s in seqs]
     tier0 = llm.tier_stats()
-    times = []
     spec0 = r.spec.metrics() if r.spec is not None else None
     DP.window_barrier()   # data-parallel replicas start their windows together
     window0 = time.time()
-    for _ in range(args.decode_tokens):
-        _sync(dev)
-        t = time.perf_counter()
-        eng.step()
-        _sync(dev)
-        times.append(time.perf_counter() - t)
-        if len(eng.scheduler.running) != n:
-            raise RuntimeError("an agent stopped inside the timed window")
+    times, tokens, ctx_mean = time_steps(eng, seqs, args.decode_tokens)
     window = [window0, time.time()]   # wall clock: comparable across replica processes
     tier1 = llm.tier_stats()
     nsteps = len(times)
     step_s = sum(times) / nsteps
-    tokens = sum(len(s) for s in seqs) - sum(lens0)              # > n per step when drafts are accepted
-    ctx_mean = statistics.fmean(lens0) + (tokens / n - 1) / 2   # tokens cached at a step, averaged over the window
     decode = {"steps": nsteps, "step_ms_mean": 1e3 * step_s, "step_ms_p50": 1e3 * statistics.median(times),
               "step_ms_max": 1e3 * max(times), "tok_s": tokens / sum(times), "per_agent_tok_s": tokens / n / sum(times),
               "context_mean": ctx_mean, "graphs": bool(r.graphs), "window": window}
@@ -409,16 +399,7 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
             "mean_accepted_length": (acc + v) / v if v else None, "verification_graphs": bool(r.verify_graphs),
             "reference_accepted_length": args.reference_accepted_length,
             "projected_tok_s": n * args.reference_accepted_length / step_s if args.reference_accepted_length else None}
-    tier = None
-    pcie = 0.0
-    if tier0 is not None:
-        hits, misses = tier1.hits - tier0.hits, tier1.misses - tier0.misses
-        pcie = (tier1.pcie_read_bytes - tier0.pcie_read_bytes) / nsteps
-        tier = {"hits_per_step": hits / nsteps, "misses_per_step": misses / nsteps,
-                "hit_rate": hits / max(1, hits + misses), "pcie_read_bytes_per_step": pcie,
-                "pcie_write_bytes_per_step": (tier1.pcie_write_bytes - tier0.pcie_write_bytes) / nsteps,
-                "host_row_bytes": r.tier.store.row_bytes, "host_bytes_allocated": tier1.host_bytes,
-                "gpu_bytes_allocated": tier1.gpu_bytes}
+    tier, pcie = tier_window(r, tier0, tier1, nsteps)
     b, floor = step_floor(shape, sp, config, n, ctx_mean, pcie, tier0 is not None, bw, step_s)
     # ---- memory per agent: the engine's accounting and the arithmetic
     if config == "sparse":
@@ -476,6 +457,36 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
         eng.abort(rid)
     return {"decode": decode, "bytes_per_step": b, "floor": floor, "memory": memory, "tier": tier,
             "prefill": prefill, "followup": fu, "breakdown": bd}
+
+
+def time_steps(eng, seqs: list, steps: int) -> tuple[list[float], int, float]:
+    """`steps` decode steps of every agent, each between device syncs -> (seconds per step, tokens generated, the
+    mean context at a step: tokens cached, averaged over the steps)."""
+    n, lens0, times = len(seqs), [len(s) for s in seqs], []
+    for _ in range(steps):
+        _sync(eng.device)
+        t = time.perf_counter()
+        eng.step()
+        _sync(eng.device)
+        times.append(time.perf_counter() - t)
+        if len(eng.scheduler.running) != n:
+            raise RuntimeError("an agent stopped inside the timed steps")
+    tokens = sum(len(s) for s in seqs) - sum(lens0)              # > n per step when drafts are accepted
+    return times, tokens, statistics.fmean(lens0) + (tokens / n - 1) / 2
+
+
+def tier_window(runner, tier0, tier1, steps: int) -> tuple[dict | None, float]:
+    """The host tier's counters over `steps` steps (tier_stats before, after) -> (per-step rates, PCIe read bytes
+    per step); (None, 0) without a tier."""
+    if tier0 is None:
+        return None, 0.0
+    hits, misses = tier1.hits - tier0.hits, tier1.misses - tier0.misses
+    pcie = (tier1.pcie_read_bytes - tier0.pcie_read_bytes) / steps
+    return {"hits_per_step": hits / steps, "misses_per_step": misses / steps,
+            "hit_rate": hits / max(1, hits + misses), "pcie_read_bytes_per_step": pcie,
+            "pcie_write_bytes_per_step": (tier1.pcie_write_bytes - tier0.pcie_write_bytes) / steps,
+            "host_row_bytes": runner.tier.store.row_bytes, "host_bytes_allocated": tier1.host_bytes,
+            "gpu_bytes_allocated": tier1.gpu_bytes}, pcie
 
 
 def fill_tokens(args, L: int, block_size: int) -> int:

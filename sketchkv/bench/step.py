@@ -34,7 +34,6 @@ import os
 import shlex
 import statistics
 import sys
-import time
 from types import SimpleNamespace
 
 from sketchkv.bench import agents as A
@@ -146,30 +145,13 @@ def run(args) -> dict:
         for _ in range(args.warmup_steps):
             eng.step()
         # ---- timed steps
-        lens0 = [len(s) for s in seqs]
         tier0 = llm.tier_stats()
-        times = []
-        for _ in range(args.steps):
-            A._sync(dev)
-            t = time.perf_counter()
-            eng.step()
-            A._sync(dev)
-            times.append(time.perf_counter() - t)
-            if len(eng.scheduler.running) != n:
-                raise RuntimeError("an agent stopped inside the timed steps")
-        tier1 = llm.tier_stats()
+        times, tokens, ctx_mean = A.time_steps(eng, seqs, args.steps)
+        tier, pcie = A.tier_window(runner, tier0, llm.tier_stats(), len(times))
         step_s = statistics.fmean(times)
-        tokens = sum(len(s) for s in seqs) - sum(lens0)
-        ctx_mean = statistics.fmean(lens0) + (tokens / n - 1) / 2
         decode = {"steps": len(times), "step_ms_mean": 1e3 * step_s, "step_ms_p50": 1e3 * statistics.median(times),
                   "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times), "tok_s": tokens / sum(times),
                   "context_mean": ctx_mean, "graphs": bool(runner.graphs)}
-        tier, pcie = None, 0.0
-        if tier0 is not None:
-            hits, misses = tier1.hits - tier0.hits, tier1.misses - tier0.misses
-            pcie = (tier1.pcie_read_bytes - tier0.pcie_read_bytes) / len(times)
-            tier = {"hit_rate": hits / max(1, hits + misses), "misses_per_step": misses / len(times),
-                    "pcie_read_bytes_per_step": pcie}
         b, floor = A.step_floor(shape, sp, args.config, n, ctx_mean, pcie, tier0 is not None, bw, step_s)
         log(f"step {decode['step_ms_mean']:.2f} ms ({decode['tok_s']:.1f} tok/s), floor {floor['ms']:.2f} ms "
             f"({floor['fraction']:.0%})")
@@ -321,7 +303,7 @@ def _graph_md(p: dict) -> list[str]:
         return []
     return [f"The graph replay: {g['kernels']} kernels from {g['start_ms']:.3f} ms, span {g['span_ms']:.3f} ms = "
             f"busy {g['busy_ms']:.3f} + gaps {g['gap_ms']:.3f} ms ({g['gaps']} gaps). Outside it: the step's eager "
-            "work (inputs, sampling) and the host's launch, slower under the profiler (it records every host op): "
+            "work (inputs; after it the lm_head GEMM and sampling) and the host's launch, slower under the profiler (it records every host op): "
             f"the timed steps spent {p.get('step_ms_mean', float('nan')) - g['span_ms']:.3f} ms outside the graph "
             "(step mean - graph span).", ""]
 
