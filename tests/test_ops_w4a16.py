@@ -121,7 +121,8 @@ def test_interp_kernel_matches_reference(dtype, G, sym):
     configs = [Config(block_m=16, block_n=32, split_k=5, magic=True),
                Config(block_m=8, block_n=32, split_k=3, magic=False),
                Config(block_m=32, block_n=64, split_k=2, magic=True),
-               Config(block_m=16, block_n=32, split_k=1, magic=True)]
+               Config(block_m=16, block_n=32, split_k=1, magic=True),
+               Config(block_m=16, block_n=32, split_k=3, tma=True)]   # words by TMA (out-of-range columns: 0)
     for M in (1, 5, 17):
         x = torch.randn(M, K, dtype=dtype)
         want = exact(x, q, s, z, G)
@@ -295,7 +296,8 @@ def test_gpu_group_sizes_and_configs(G, sym):
     for M in (1, 13, 64, 100):
         x = torch.randn(M, 5120, device="cuda", dtype=torch.bfloat16)
         for cfg in (None, Config(block_m=8, block_n=256, split_k=8, magic=False),  # split 16: 40 tiles, 2 splits empty
-                    Config(block_m=64, block_n=64, split_k=4), Config(block_m=16, block_n=128, split_k=16)):
+                    Config(block_m=64, block_n=64, split_k=4), Config(block_m=16, block_n=128, split_k=16),
+                    Config(block_m=16, block_n=128, split_k=4, num_stages=4, tma=True)):
             _check_gpu(w4a16_matmul(x, w, cfg), x, q, s, z, G)
 
 

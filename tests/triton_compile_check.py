@@ -38,10 +38,16 @@ def _encode(a, constexpr: bool = False):
         return {"dtype": str(a).removeprefix("torch.")}
     if a is None or isinstance(a, (bool, int, float)):
         return {"value": a}
+    if type(a).__name__ == "TensorDescriptor":   # a host TMA descriptor: its dtype and block shape specialise
+        return {"desc": str(a.base.dtype).removeprefix("torch."), "block": list(a.block_shape)}
     raise TypeError(f"cannot record a kernel argument of type {type(a).__name__}")
 
 
 def _decode(a):
+    if "desc" in a:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        return TensorDescriptor.from_tensor(torch.empty([2 * b for b in a["block"]], dtype=getattr(torch, a["desc"])),
+                                            a["block"])
     if "tensor" in a:
         return torch.empty(64, dtype=getattr(torch, a["tensor"]))  # only dtype and (aligned) address matter
     if "dtype" in a:

@@ -66,7 +66,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hbm-gib", type=float, default=None,
                    help="size of the bandwidth copy (default 4 GiB on a GPU, 0.25 on a CPU)")
-    p.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--out-dir", default=None,
+                   help="where the .json / .md / .png go (default: a folder of their own, benchmarks/results/NAME/, "
+                        "as every published result has)")
     p.add_argument("--name", default=None,
                    help="output file stem (default: step-MODEL-CONFIG-NxL-DATE, e.g. step-qwen3.5-27b-sparse-8x250K-"
                         "2026-12-05)")
@@ -85,7 +87,8 @@ def main(args: argparse.Namespace) -> dict:
     if args.agents < 1 or args.steps < 1 or args.warmup_steps < 0:
         raise SketchKVError("--agents and --steps must be >= 1, --warmup-steps >= 0")
     r = run(args)
-    paths = write(r, args.out_dir, args.name or default_name(args))
+    name = args.name or default_name(args)
+    paths = write(r, args.out_dir or os.path.join("benchmarks", "results", name), name)
     C.log(f"wrote {', '.join(paths.values())}", args.quiet)
     print(table(r))
     return r

@@ -6,10 +6,12 @@ import itertools
 import logging
 import math
 
+import numpy as np
 import torch
 
 from sketchkv.config import EngineConfig, resolved_host_residual_keys, resolved_prefill_selection
 from sketchkv.engine.context import Context, VerifyRows, set_context
+from sketchkv.engine.graph_inputs import host_views, send, staged, write_tables
 from sketchkv.engine.phase_timer import PhaseTimer
 from sketchkv.engine.sequence import Sequence, block_tables
 from sketchkv.errors import CapacityError, RequestError
@@ -464,8 +466,7 @@ class ModelRunner:
             state_slots=t([seq.state_slot for seq, _ in batch], torch.int64),
             query_lens=qlens, context_lens=cached, is_decode=all(n == 1 and c > 0 for n, c in zip(qlens, cached)),
             max_seq_len=max(c + n for c, n in zip(cached, qlens)))
-        # with the host tier every decode takes the tier path (it is exact when k >= context)
-        ctx.sparse = bool(self.sparse_layers) and (self.tier is not None or ctx.max_seq_len > self.dense_threshold)
+        ctx.sparse = self._sparse_step(ctx.max_seq_len)
         if self.tier is not None:
             rows = [self.tier.resident_row(seq.state_slot, p, seq.num_cached + n)
                     for seq, n in batch for p in range(seq.num_cached, seq.num_cached + n)]
@@ -490,6 +491,11 @@ class ModelRunner:
             ctx.verify = verify_rows(qlens, cu, [seq.state_slot for seq, _ in batch],
                                      [ctx.decodes(b) for b in range(len(batch))], self.device)
         return t(ids, torch.int64), t(pos, torch.int64), ctx
+
+    def _sparse_step(self, max_seq_len: int) -> bool:
+        """Sparse layers decode sparsely this step; with the host tier every decode takes the tier path (it is
+        exact when k >= context)."""
+        return bool(self.sparse_layers) and (self.tier is not None or max_seq_len > self.dense_threshold)
 
     def _zero_fresh_slots(self, batch) -> None:
         """A new sequence starts from zero state, or from a prefix-cache snapshot."""
@@ -549,13 +555,18 @@ class ModelRunner:
         self.verify_graph_bucket = None   # set when this step verifies in a graph (MTPDrafter.catch_up reads it)
         with self.phase("runner.prepare"):
             self._zero_fresh_slots(batch)
-            input_ids, positions, ctx = self._context(batch)
-        key = self._graph_key(ctx) if graphs and ctx.is_decode else None
+            key = self._graph_key(batch) if graphs else None
+            vkey = self._verify_key(batch) if graphs and key is None else None
+            if key is not None:   # graph steps' inputs go straight to the graph's static buffers
+                ctx = self._stage_decode(batch, key)
+            elif vkey is not None:
+                ctx = self._stage_verify(batch, vkey)
+            else:
+                input_ids, positions, ctx = self._context(batch)
         if key is not None:
-            return self._replay(input_ids, positions, ctx, key), ctx
-        bucket = self._verify_bucket(ctx) if graphs else None
-        if bucket is not None:
-            return self._replay_verify(input_ids, positions, ctx, (ctx.sparse, *bucket)), ctx
+            return self._replay(ctx, key), ctx
+        if vkey is not None:
+            return self._replay_verify(ctx, vkey), ctx
         set_context(ctx)
         try:
             return self._model(input_ids, positions), ctx
@@ -570,10 +581,15 @@ class ModelRunner:
         return hidden
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------
-    def _graph_key(self, ctx: Context) -> tuple[bool, int, int] | None:
-        """The smallest captured batch bucket and length bucket that hold this decode step."""
-        need = max(ctx.block_tables.shape[1], -(-ctx.max_seq_len // self.block_size))
-        fits = [k for k in self.graphs if k[0] == ctx.sparse and k[1] >= ctx.num_seqs and k[2] >= need]
+    def _graph_key(self, batch) -> tuple[bool, int, int] | None:
+        """For a pure decode step (one new token per sequence, after cached ones), the smallest captured batch
+        bucket and length bucket that hold it; else None."""
+        if not self.graphs or not all(n == 1 and seq.num_cached > 0 for seq, n in batch):
+            return None
+        max_len = max(seq.num_cached + 1 for seq, _ in batch)
+        need = max(max(len(seq.block_table) for seq, _ in batch), -(-max_len // self.block_size))
+        sparse = self._sparse_step(max_len)
+        fits = [k for k in self.graphs if k[0] == sparse and k[1] >= len(batch) and k[2] >= need]
         return min(fits, key=lambda k: (k[1], k[2]), default=None)
 
     def _length_buckets(self) -> list[int]:
@@ -592,18 +608,22 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         max_bs = self.cfg.scheduler.max_num_seqs
         sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
-        dev = self.device
-        self.g_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.g_pos = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.g_slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # slot 0: scratch block
-        self.g_tables = {nb: torch.zeros(max_bs, nb, dtype=torch.int32, device=dev) for nb in self._length_buckets()}
-        self.g_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self.g_state_slots = torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=dev)
+        dev, pin = self.device, self.device.type == "cuda"
+        # The graphs' integer inputs are views of device buffers that _stage_decode fills from host twins (staged)
+        # in two copies: int64 rows (token ids, positions, KV slots, state slots; with the tier resident rows
+        # and hot partitions), and per length bucket nb an int32 [seq_lens | tables [max_bs, nb]] (_int32_buffers).
+        # A padded row attends to one token of the scratch block (slot 0) and steps the scratch state slot; with
+        # the tier its resident row is the dump row and its hot partition an empty one.
+        self.h_pad = np.array([0, 0, 0, self.scratch_slot] + ([self.tier.dump_row, self.tier.pad_pid]
+                                                              if self.tier is not None else []), dtype=np.int64)
+        self.h_int64, self.g_int64 = staged((len(self.h_pad), max_bs), torch.int64, dev, self.h_pad[:, None])
+        self.g_ids, self.g_pos, self.g_slot_mapping, self.g_state_slots = self.g_int64[:4]
+        if self.tier is not None:
+            self.g_resident_rows, self.g_hot_pids = self.g_int64[4:]
+        self.h_int32, self.g_int32, self.g_seq_lens, self.g_tables = self._int32_buffers(max_bs)
+        self.h_copied = torch.cuda.Event() if pin else None   # the last copy out of the host twins
         self.g_out = torch.zeros(max_bs, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        if self.tier is not None:  # padded rows: resident writes to the dump row, an empty hot partition
-            self.g_resident_rows = torch.full((max_bs,), self.tier.dump_row, dtype=torch.int64, device=dev)
-            self.g_hot_pids = torch.full((max_bs,), self.tier.pad_pid, dtype=torch.int64, device=dev)
         pool = None
         # the values ctx.sparse takes at decode (see _context): dense and sparse graphs; with the host tier
         # every sketch decode is sparse; QSA layers (no sketch layers) select inside the "dense" family
@@ -644,7 +664,7 @@ class ModelRunner:
             set_context(None)
 
     def _graph_context(self, bs: int, nb: int) -> Context:
-        ctx = Context(cu_seqlens_q=self.g_cu[:bs + 1], seq_lens=self.g_seq_lens[:bs],
+        ctx = Context(cu_seqlens_q=self.g_cu[:bs + 1], seq_lens=self.g_seq_lens[nb][:bs],
                       slot_mapping=self.g_slot_mapping[:bs], block_tables=self.g_tables[nb][:bs],
                       state_slots=self.g_state_slots[:bs], query_lens=[1] * bs, context_lens=[1] * bs,
                       is_decode=True, max_seq_len=min(self.max_model_len, nb * self.block_size), graph=True)
@@ -652,29 +672,56 @@ class ModelRunner:
             ctx.resident_rows, ctx.hot_pids = self.g_resident_rows[:bs], self.g_hot_pids[:bs]
         return ctx
 
-    def _replay(self, input_ids, positions, ctx: Context, key: tuple[bool, int, int]) -> torch.Tensor:
-        bs, bucket, tables = len(ctx.query_lens), key[1], self.g_tables[key[2]]
-        # Padded rows attend to one token of the scratch block and update the scratch state slot.
-        self.g_ids[:bucket].zero_()
-        self.g_pos[:bucket].zero_()
-        self.g_slot_mapping[:bucket].zero_()
-        tables[:bucket].zero_()
-        self.g_seq_lens[:bucket].fill_(1)
-        self.g_state_slots[:bucket].fill_(self.scratch_slot)
-        self.g_ids[:bs] = input_ids
-        self.g_pos[:bs] = positions
-        self.g_slot_mapping[:bs] = ctx.slot_mapping
-        tables[:bs, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0)
-        self.g_seq_lens[:bs] = ctx.seq_lens
-        self.g_state_slots[:bs] = ctx.state_slots
+    def _int32_buffers(self, rows: int):
+        """Per length bucket nb an int32 device buffer [lens [rows] | block tables [rows, nb]] (lens 1, tables 0:
+        what padded rows read), and one host twin for all: a step's lens and its bucket's table rows are one copy
+        of a prefix. -> (host twin, {nb: buffer}, {nb: lens}, {nb: tables})"""
+        nbs = self._length_buckets()
+        host = torch.empty(rows * (max(nbs) + 1), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        bufs = {nb: torch.zeros(rows * (nb + 1), dtype=torch.int32, device=self.device) for nb in nbs}
+        return (host, bufs, {nb: buf[:rows].fill_(1) for nb, buf in bufs.items()},
+                {nb: buf[rows:].view(rows, nb) for nb, buf in bufs.items()})
+
+    def _stage_rows(self, seqs: list[Sequence], q: int, bucket: int, nb: int, h: np.ndarray, h32: np.ndarray) -> int:
+        """A graph step's rows on the host, `q` per sequence (its last token, then its drafts), bucket x q in all:
+        into `h` the int64 rows of h_pad's layout (padded rows: h_pad), into `h32` [lens (position + 1; padded
+        rows 1) | tables [rows, nb]]. -> the end of the int32 prefix to copy"""
+        B, tier, n, rb = self.block_size, self.tier, len(seqs) * q, bucket * q
+        rows = [(seq, p) for seq in seqs for p in range(seq.num_cached, seq.num_cached + q)]
+        pos = np.array([p for _, p in rows], dtype=np.int64)
+        h[0, :n] = [t for seq in seqs for t in seq.step_token_ids(q)]
+        h[1, :n] = pos
+        h[2, :n] = np.array([seq.block_table[p // B] for seq, p in rows]) * B + pos % B
+        h[3, :n] = np.repeat([seq.state_slot for seq in seqs], q)
+        if tier is not None:
+            h[4, :n] = [tier.resident_row(seq.state_slot, p, seq.num_cached + q) for seq, p in rows]
+            h[5, :n] = np.repeat([seq.tier_pid if seq.tier_pid >= 0 else tier.pad_pid for seq in seqs], q)
+        h[:len(self.h_pad), n:rb] = self.h_pad[:, None]
+        m = h.shape[1]   # h32: [lens [m] | tables [m, nb]]
+        h32[:n] = pos + 1
+        h32[n:rb] = 1
+        write_tables(h32[m:m + rb * nb].reshape(bucket, q, nb), seqs)
+        return m + rb * nb
+
+    def _stage_decode(self, batch, key: tuple[bool, int, int]) -> Context:
+        """A graph decode step's inputs, written on the host into the host twins of the static buffers (padded rows
+        included) and copied in two transfers. Built as device tensors and copied in piece by piece, they were 26
+        small ops, 9 of them pageable copies: ~1.1 ms of host time per step at 8 sequences (issue 41).
+        -> the step's context, over the static buffers."""
+        seqs, (_, bucket, nb) = [seq for seq, _ in batch], key
+        h, h32 = host_views(self.h_copied, self.h_int64, self.h_int32)
+        end = self._stage_rows(seqs, 1, bucket, nb, h, h32)
+        send([(self.g_int64, self.h_int64), (self.g_int32[nb][:end], self.h_int32[:end])], self.h_copied)
+        cached = [seq.num_cached for seq in seqs]
+        ctx = self._graph_context(len(seqs), nb)
+        ctx.sparse, ctx.context_lens, ctx.max_seq_len = key[0], cached, max(cached) + 1
+        return ctx
+
+    def _replay(self, ctx: Context, key: tuple[bool, int, int]) -> torch.Tensor:
         if self.tier is not None:
-            self.g_resident_rows[:bucket].fill_(self.tier.dump_row)
-            self.g_hot_pids[:bucket].fill_(self.tier.pad_pid)
-            self.g_resident_rows[:bs] = ctx.resident_rows
-            self.g_hot_pids[:bs] = ctx.hot_pids
             self.tier.store.wait()  # host writes of eager steps (side stream) land before the graph reads
         self.graphs[key].replay()
-        return self.g_out[:bs]
+        return self.g_out[:ctx.num_seqs]
 
     # ---- CUDA graphs for speculative verification ----------------------------------------------
     # A verification step where every sequence decodes its last token + exactly n drafts (the steady
@@ -690,35 +737,28 @@ class ModelRunner:
         if not sizes:
             return pool
         R = max(sizes) * Q
-        self.v_ids = torch.zeros(R, dtype=torch.int64, device=dev)
-        self.v_pos = torch.zeros(R, dtype=torch.int64, device=dev)
-        self.v_slot_mapping = torch.zeros(R, dtype=torch.int64, device=dev)
-        self.v_tables = {nb: torch.zeros(R, nb, dtype=torch.int32, device=dev) for nb in self._length_buckets()}
-        self.v_lens = torch.ones(R, dtype=torch.int32, device=dev)          # per row: its position + 1
-        self.v_row_slots = torch.full((R,), self.scratch_slot, dtype=torch.int64, device=dev)
-        self.v_seq_slots = torch.full((max(sizes),), self.scratch_slot, dtype=torch.int64, device=dev)
+        # inputs staged as the decode graphs' (_capture_graphs), one entry per verification row (a sequence's Q rows
+        # in turn; lens: each row's position + 1), and a last int64 buffer row: each sequence's state slot (the GDN
+        # layers' row lists)
+        v_pad = np.append(self.h_pad, self.scratch_slot)
+        self.hv_int64, self.v_int64 = staged((len(v_pad), R), torch.int64, dev, v_pad[:, None])
+        self.v_ids, self.v_pos, self.v_slot_mapping, self.v_row_slots = self.v_int64[:4]
+        if self.tier is not None:
+            self.v_resident_rows, self.v_hot_pids = self.v_int64[4:6]
+        self.v_seq_slots = self.v_int64[-1, :max(sizes)]
+        self.hv_int32, self.v_int32, self.v_lens, self.v_tables = self._int32_buffers(R)
+        self.v_copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.v_cu = torch.arange(R + 1, dtype=torch.int32, device=dev)
         self.v_out = torch.zeros(R, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
         self.v_leaders = torch.arange(max(sizes), device=dev) * Q
         self.v_lasts = self.v_leaders + Q - 1
         self.v_group = torch.arange(R, device=dev) // Q
-        if self.tier is not None:
-            self.v_resident_rows = torch.full((R,), self.tier.dump_row, dtype=torch.int64, device=dev)
-            self.v_hot_pids = torch.full((R,), self.tier.pad_pid, dtype=torch.int64, device=dev)
         self.v_steps = {bs: VerifyRows([(torch.arange(bs, device=dev) * Q + t, self.v_seq_slots[:bs],
                                          torch.arange(bs, device=dev)) for t in range(Q)], regular=Q)
                         for bs in sizes}   # static row lists, alive as long as the graphs
         contexts = {}   # (batch bucket, blocks per row) -> context: the commit's replay and the drafter's catch-up graphs
         for sparse, bs, nb in [(f, b, n) for f in families for b in reversed(sizes) for n in reversed(self.v_tables)]:
-            r = bs * Q
-            ctx = Context(cu_seqlens_q=self.v_cu[:r + 1], seq_lens=self.v_lens[:r], slot_mapping=self.v_slot_mapping[:r],
-                          block_tables=self.v_tables[nb][:r], state_slots=self.v_row_slots[:r], query_lens=[1] * r,
-                          context_lens=[1] * r, is_decode=True, max_seq_len=min(self.max_model_len, nb * self.block_size),
-                          graph=True,
-                          sparse=sparse, verify=self.v_steps[bs], verify_leaders=self.v_leaders[:bs],
-                          verify_group=self.v_group[:r], verify_lasts=self.v_lasts[:bs])
-            if self.tier is not None:
-                ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
+            r, ctx = bs * Q, self._verify_context(sparse, bs, nb)
             step = lambda r=r: self.v_out[:r].copy_(self._model(self.v_ids[:r], self.v_pos[:r]))
             self.verify_graphs[(sparse, bs, nb)], pool = self._capture(ctx, step, pool)
             contexts[(bs, nb)] = ctx
@@ -744,9 +784,11 @@ class ModelRunner:
         # are in the layers' static buffers; each sequence up to its kept position, one graph per bucket (eagerly
         # the replay's launches were mostly gaps, H200 run 31).
         Q, dev = self.num_spec + 1, self.device
-        self.c_rows0 = torch.zeros(max(sizes), dtype=torch.int64, device=dev)
-        self.c_slots = torch.full((max(sizes),), self.scratch_slot, dtype=torch.int64, device=dev)
-        self.c_accepted = torch.zeros(max(sizes), dtype=torch.int64, device=dev)
+        # staged (padded sequences: row 0, the scratch slot, 0 accepted)
+        self.c_pad = np.array([[0], [self.scratch_slot], [0]], dtype=np.int64)
+        self.hc_int64, self.c_int64 = staged((3, max(sizes)), torch.int64, dev, self.c_pad)
+        self.c_rows0, self.c_slots, self.c_accepted = self.c_int64
+        self.c_copied = torch.cuda.Event() if dev.type == "cuda" else None
         for bs in reversed(sizes):
             step = lambda bs=bs: [m.replay_verified(self.c_rows0[:bs], self.c_slots[:bs], self.c_accepted[:bs], Q,
                                                     bs * Q, self.scratch_slot) for m in self.gdn_layers]
@@ -759,52 +801,62 @@ class ModelRunner:
         bucket = min((b for b in self.replay_graphs if b >= len(slots)), default=None)
         if bucket is None or not self.gdn_layers or total_rows > self.gdn_layers[0].verify_x.shape[0]:
             return False
-        from sketchkv.engine.speculative import to_device
         n = len(slots)
-        self.c_rows0[:bucket].zero_()
-        self.c_slots[:bucket].fill_(self.scratch_slot)
-        self.c_accepted[:bucket].zero_()
-        self.c_rows0[:n], self.c_slots[:n], self.c_accepted[:n] = to_device([rows0, slots, accepted], torch.int64,
-                                                                            self.device)
+        h, = host_views(self.c_copied, self.hc_int64)
+        h[:, :n] = rows0, slots, accepted
+        h[:, n:bucket] = self.c_pad
+        send([(self.c_int64, self.hc_int64)], self.c_copied)
         for m in self.gdn_layers:  # what the eager replay resets on the host side
             m._kept, m.snapshots = None, {}
         self.replay_graphs[bucket].replay()
         return True
 
-    def _verify_bucket(self, ctx: Context) -> tuple[int, int] | None:
-        """(batch bucket, blocks per row) of the smallest verification graph that holds this step, or None."""
+    def _verify_key(self, batch) -> tuple[bool, int, int] | None:
+        """For a steady-state verification step (every sequence: its last token + exactly n drafts, after cached
+        ones), the smallest verification graph that holds it: (sparse family, batch bucket, blocks per row);
+        else None."""
         Q = self.num_spec + 1
-        if not self.verify_graphs or ctx.verify is None or ctx.verify.other_rows is not None \
-                or any(q != Q for q in ctx.query_lens):
+        if not self.verify_graphs or not all(n == Q and seq.num_cached > 0 and seq.num_drafts(n) > 0
+                                             for seq, n in batch):
             return None
-        need = max(ctx.block_tables.shape[1], -(-ctx.max_seq_len // self.block_size))
-        fits = [(b, nb) for _, b, nb in self.verify_graphs if b >= ctx.num_seqs and nb >= need]
-        return min(fits, default=None)
+        max_len = max(seq.num_cached for seq, _ in batch) + Q
+        need = max(max(len(seq.block_table) for seq, _ in batch), -(-max_len // self.block_size))
+        fits = [(b, nb) for _, b, nb in self.verify_graphs if b >= len(batch) and nb >= need]
+        bucket = min(fits, default=None)
+        return None if bucket is None else (self._sparse_step(max_len), *bucket)
 
-    def _replay_verify(self, input_ids, positions, ctx: Context, key: tuple[bool, int, int]) -> torch.Tensor:
-        Q, bs, bucket, tables = self.num_spec + 1, ctx.num_seqs, key[1], self.v_tables[key[2]]
-        r, rb = bs * Q, bucket * Q
-        # padded rows attend to one token of the scratch block, padded sequences step the scratch slot
-        self.v_ids[:rb].zero_()
-        self.v_pos[:rb].zero_()
-        self.v_slot_mapping[:rb].zero_()
-        tables[:rb].zero_()
-        self.v_lens[:rb].fill_(1)
-        self.v_row_slots[:rb].fill_(self.scratch_slot)
-        self.v_seq_slots[:bucket].fill_(self.scratch_slot)
-        self.v_ids[:r] = input_ids
-        self.v_pos[:r] = positions
-        self.v_slot_mapping[:r] = ctx.slot_mapping
-        tables[:r, :ctx.block_tables.shape[1]] = ctx.block_tables.clamp_min(0).repeat_interleave(Q, 0)
-        self.v_lens[:r] = ctx.decode_lens
-        self.v_row_slots[:r] = ctx.state_slots.repeat_interleave(Q)
-        self.v_seq_slots[:bs] = ctx.state_slots
+    def _verify_context(self, sparse: bool, bs: int, nb: int) -> Context:
+        """The verification graph's context: bs x Q rows, each a decode row of its own length."""
+        r = bs * (self.num_spec + 1)
+        ctx = Context(cu_seqlens_q=self.v_cu[:r + 1], seq_lens=self.v_lens[nb][:r], slot_mapping=self.v_slot_mapping[:r],
+                      block_tables=self.v_tables[nb][:r], state_slots=self.v_row_slots[:r], query_lens=[1] * r,
+                      context_lens=[1] * r, is_decode=True, max_seq_len=min(self.max_model_len, nb * self.block_size),
+                      graph=True, sparse=sparse, verify=self.v_steps[bs], verify_leaders=self.v_leaders[:bs],
+                      verify_group=self.v_group[:r], verify_lasts=self.v_lasts[:bs])
         if self.tier is not None:
-            self.v_resident_rows[:rb].fill_(self.tier.dump_row)
-            self.v_hot_pids[:rb].fill_(self.tier.pad_pid)
-            self.v_resident_rows[:r] = ctx.resident_rows
-            self.v_hot_pids[:r] = ctx.hot_pids.repeat_interleave(Q)
+            ctx.resident_rows, ctx.hot_pids = self.v_resident_rows[:r], self.v_hot_pids[:r]
+        return ctx
+
+    def _stage_verify(self, batch, key: tuple[bool, int, int]) -> Context:
+        """A verification graph step's inputs, staged as a decode step's (_stage_decode) over bucket x Q rows, and
+        each sequence's state slot. (Built by _context and written in piece by piece they were ~30 small device ops,
+        13-15 of them pageable copies.) -> the graph's context (its bucket's rows) with the step's per-sequence
+        facts (query_lens, context_lens, num_drafts: what run() reads)"""
+        (sparse, bucket, nb), seqs, Q = key, [seq for seq, _ in batch], self.num_spec + 1
+        h, h32 = host_views(self.v_copied, self.hv_int64, self.hv_int32)
+        end = self._stage_rows(seqs, Q, bucket, nb, h, h32)
+        h[-1, :len(seqs)] = [seq.state_slot for seq in seqs]
+        h[-1, len(seqs):bucket] = self.scratch_slot   # padded sequences step the scratch slot
+        send([(self.v_int64, self.hv_int64), (self.v_int32[nb][:end], self.hv_int32[:end])], self.v_copied)
+        cached = [seq.num_cached for seq in seqs]
+        ctx = self._verify_context(sparse, bucket, nb)
+        ctx.query_lens, ctx.context_lens, ctx.is_decode = [Q] * len(seqs), cached, False
+        ctx.max_seq_len, ctx.num_drafts = max(cached) + Q, [seq.num_drafts(Q) for seq in seqs]
+        return ctx
+
+    def _replay_verify(self, ctx: Context, key: tuple[bool, int, int]) -> torch.Tensor:
+        if self.tier is not None:
             self.tier.store.wait()
         self.verify_graphs[key].replay()
         self.verify_graph_bucket = key[1:]
-        return self.v_out[:r]
+        return self.v_out[:ctx.num_seqs * (self.num_spec + 1)]

@@ -40,9 +40,11 @@ after a graph verification step replays a graph over all 1 + n rows of each sequ
 (prompt chunks too), attended as decode rows. Verification graphs exist per length bucket, as decode graphs.
 """
 
+import numpy as np
 import torch
 
 from sketchkv.engine.context import Context, VerifyRows, decode_rows, forward_context
+from sketchkv.engine.graph_inputs import host_views, send, staged, write_tables
 from sketchkv.engine.sequence import Sequence, Status, block_tables
 from sketchkv.errors import CheckpointError
 from sketchkv.layers.attention import Attention
@@ -114,16 +116,20 @@ class MTPDrafter:
     # kernels: on a small model it costs more than the graphed verification (H200 run 18: speculation 6-8x
     # slower than plain decoding on the reference model). Captured per batch bucket over static buffers:
     # the MTP rows' positions, slots and lengths are computed on the device from the first position and
-    # the block tables, so one replay drafts all n positions; padded rows write the scratch block.
+    # the block tables, so one replay drafts all n positions; padded rows write the scratch block. The integer
+    # inputs are staged on the host as the runner's (graph_inputs.staged): two copies.
     def capture_graphs(self, sizes: list[int], pool):
         r, n = self.runner, self.runner.num_spec
         B, dev = max(sizes), r.device
         self.g_hidden = torch.zeros(B, r.model_cfg.hidden_size, dtype=r.dtype, device=dev)
-        self.g_pos = torch.zeros(B, dtype=torch.int64, device=dev)       # position of the first MTP pass's row
-        self.g_tables = torch.zeros(B, r.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # the first MTP pass's row's position, the state slot (the windowed drafter's rings are per slot)
+        self.g_pad = np.array([[0], [r.scratch_slot]], dtype=np.int64)
+        self.h_int64, self.g_int64 = staged((2, B), torch.int64, dev, self.g_pad)
+        self.g_pos, self.g_slots = self.g_int64
+        self.h_tables, self.g_tables = staged((B, r.max_blocks_per_seq), torch.int32, dev)
+        self.copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.g_drafts = torch.zeros(B, n, dtype=torch.int64, device=dev)
         self.g_cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
-        self.g_slots = torch.full((B,), r.scratch_slot, dtype=torch.int64, device=dev)
         for bs in reversed(sizes):
             self.graphs[bs], pool = r._capture(self._graph_context(bs, self.g_pos[:bs]), lambda bs=bs: self._draft_all(bs), pool)
         return pool
@@ -154,16 +160,16 @@ class MTPDrafter:
         return min((b for b in self.graphs if b >= len(seqs)), default=None)
 
     def _replay(self, seqs: list[Sequence], bucket: int) -> None:
-        B, dev = len(seqs), self.runner.device
-        self.g_pos[:bucket].zero_()
-        self.g_tables[:bucket].zero_()
-        self.g_hidden[B:bucket].zero_()
-        self.g_hidden[:B] = torch.stack([s.mtp_hidden for s in seqs])
-        self.g_pos[:B] = to_device([s.num_cached for s in seqs], torch.int64, dev)
-        self.g_slots[B:bucket].fill_(self.runner.scratch_slot)   # the windowed drafter's rings are per slot
-        self.g_slots[:B] = to_device([s.state_slot for s in seqs], torch.int64, dev)
-        tables = block_tables(seqs, pad=0)
-        self.g_tables[:B, :tables.shape[1]] = tables.to(dev)
+        B = len(seqs)
+        h, tables = host_views(self.copied, self.h_int64, self.h_tables)
+        h[:, :B] = [s.num_cached for s in seqs], [s.state_slot for s in seqs]
+        h[:, B:bucket] = self.g_pad
+        write_tables(tables[:bucket, None], seqs)
+        send([(self.g_int64, self.h_int64), (self.g_tables[:bucket], self.h_tables[:bucket])], self.copied)
+        with torch.no_grad():   # (out= refuses inputs with autograd history: eager MTP passes run outside inference mode)
+            torch.stack([s.mtp_hidden for s in seqs], out=self.g_hidden[:B])
+        if B < bucket:
+            self.g_hidden[B:bucket].zero_()
         self.graphs[bucket].replay()
         for s, d in zip(seqs, self.g_drafts[:B].tolist()):   # the step's one host sync
             s.draft_token_ids, s.draft_probs = d, None
@@ -182,7 +188,11 @@ class MTPDrafter:
         r, Q = self.runner, self.runner.num_spec + 1
         paged, full = bool(r.mtp_paged_layers), max(nb for _, nb in contexts)
         R = max(bs for bs, _ in contexts) * Q
-        self.c_ids = torch.zeros(R, dtype=torch.int64, device=r.device)
+        # staged (graph_inputs.staged): the rows' next tokens (the graph's input), then the sequences' last
+        # accepted rows (to read their outputs)
+        self.hc_int64, self.c_int64 = staged((R + R // Q,), torch.int64, r.device)
+        self.c_ids, self.c_last = self.c_int64[:R], self.c_int64[R:]
+        self.c_copied = torch.cuda.Event() if r.device.type == "cuda" else None
         self.c_out = torch.zeros(R, r.model_cfg.hidden_size, dtype=r.dtype, device=r.device)
         for (bs, nb), ctx in sorted(contexts.items(), reverse=True):
             if paged or nb == full:
@@ -202,12 +212,15 @@ class MTPDrafter:
         if key not in self.catch_up_graphs or len(items) > bucket \
                 or any(r0 != i * Q or not 0 < n <= Q for i, (_, _, n, r0) in enumerate(items)):
             return False
-        ids = [0] * (bucket * Q)
+        h, = host_views(self.c_copied, self.hc_int64)
+        R = len(self.c_ids)
+        h[:bucket * Q] = 0   # the filler token
         for i, (seq, s, n, _) in enumerate(items):
-            ids[i * Q:i * Q + n] = seq.token_ids[s + 1:s + n + 1]
-        self.c_ids[:bucket * Q] = to_device(ids, torch.int64, r.device)
+            h[i * Q:i * Q + n] = seq.token_ids[s + 1:s + n + 1]
+        h[R:R + len(items)] = [i * Q + n - 1 for i, (_, _, n, _) in enumerate(items)]
+        send([(self.c_int64, self.hc_int64)], self.c_copied)
         self.catch_up_graphs[key].replay()
-        last = self.c_out[to_device([i * Q + n - 1 for i, (_, _, n, _) in enumerate(items)], torch.int64, r.device)]
+        last = self.c_out[self.c_last[:len(items)]]
         for i, (seq, s, n, _) in enumerate(items):
             if seq.status == Status.RUNNING and s + n == len(seq) - 1:
                 seq.mtp_hidden = last[i]

@@ -29,8 +29,10 @@ the MMA's waits: H100 ncu (run 107) found ptxas serializing the 32 wgmmas of a B
 WARPGROUP.DEPBAR after every HGMMA; barrier stalls 32%, DRAM 52%), yet subtracting integer zeros from the 16-bit
 weights (one dot per group: 16 HGMMAs and one DEPBAR per tile in the SASS) left gate_up at the same 54 us and
 slowed the BLOCK_N 64 shapes 2x (run 109), and mma.sync (DISABLE_MMA_V3=1) was 10-30% slower at M <= 8 even
-with its own configs (run 108). Not tried: a per-tile contiguous layout, more bytes in flight per SM (a
-persistent or warp-specialized kernel, TMA loads of the words).
+with its own configs (run 108). Built, not yet timed: the words' tiles by TMA (Config.tma: a host tensor
+descriptor of the packed words, each [KW, BLOCK_N] tile one cp.async.bulk.tensor into shared memory, read back
+transposed; sm_90 PTX checked, interpreter-tested; off until benchmarks/studies/w4a16_tma.py measures it). Not
+tried: a per-tile contiguous layout, a persistent or warp-specialized kernel.
 
 Small M (decode), _gemv_kernel: CUDA cores, built for bandwidth. H200 run 98 had the tensor-core kernel at
 38-42% of the int4 floor at M = 1, 8: its words reach shared memory by 4-byte cp.async (Triton orders the
@@ -63,6 +65,10 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
+try:   # host TMA descriptors (Config.tma)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 LARGE_M = 512  # from here on dequantize + cuBLAS (a bf16 GEMM is compute-bound there)
 
@@ -193,6 +199,7 @@ class Config:
     num_warps: int = 4
     num_stages: int = 4
     magic: bool = True       # nibble -> float by mantissa OR (bf16 / fp16 activations only)
+    tma: bool = False        # the words' K tiles by TMA (a host tensor descriptor) instead of cp.async
 
 
 # (M bucket, N, K) -> Config, from `benchmarks/bench_w4a16_gemm.py --sweep` on an H200; else config_for's rule
@@ -351,11 +358,11 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+    def _w4a16_kernel(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
                       M, N, K, G, stride_xm, stride_om, TILES_PER_SPLIT,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
-                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                      UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False):
         """Words in shuffle_int4's order (BLOCK_K = the weight's block_k). Per K tile: the [BLOCK_N, KW] words
         (pipelined through shared memory, coalesced along N), then per group of the tile (GROUPS = BLOCK_K / G,
         else 1) its 4 / GROUPS shifts unpacked to [BLOCK_N, BLOCK_K / GROUPS] weights in k order and one dot,
@@ -391,7 +398,10 @@ if triton is not None:
             t_nx = tl.minimum(t + 1, t1 - 1)  # clamped: the last tile reloads, harmlessly
             s_nx = _load_groups(s_ptr, (t_nx * BLOCK_K) // G, N, rn, n_ok, GROUPS)
             z_nx = _load_groups(z_ptr, (t_nx * BLOCK_K) // G, N, rn, n_ok, GROUPS)
-            words = tl.load(qw_ptr + (k0 // 8 + i)[None, :] * N + rn[:, None], mask=n_ok[:, None], other=0)
+            if TMA:  # the [KW, BLOCK_N] tile as stored (one bulk copy; out-of-range columns read 0), transposed
+                words = tl.trans(qw_desc.load([k0 // 8, pid_n * BLOCK_N]))
+            else:
+                words = tl.load(qw_ptr + (k0 // 8 + i)[None, :] * N + rn[:, None], mask=n_ok[:, None], other=0)
             for g in tl.static_range(GROUPS):
                 kg = k0 + g * KG
                 s = _group(s_cur, g, GROUPS)
@@ -625,11 +635,14 @@ def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config) -> torch.Ten
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
     off, bits = ((128, 0x4300) if x2.dtype == torch.bfloat16 else (1024, 0x6400)) if magic else (0, 0)
+    if cfg.tma and TensorDescriptor is None:
+        raise RuntimeError(f"Config.tma needs triton.tools.tensor_descriptor (Triton >= 3.4), not in Triton {triton.__version__}")
+    desc = TensorDescriptor.from_tensor(w.packed, [bk // 8, cfg.block_n]) if cfg.tma else None
     _w4a16_kernel[(grid_n, grid_m, split)](
-        x2, w.packed, w.scales, w.zeros, out, ws, w.counters, M, N, K, G, x2.stride(0), out.stride(0), tiles,
+        x2, w.packed, desc, w.scales, w.zeros, out, ws, w.counters, M, N, K, G, x2.stride(0), out.stride(0), tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, GROUPS=groups, OFF=off,
-        MAGIC_BITS=bits,
-        UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        MAGIC_BITS=bits, UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, TMA=cfg.tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
