@@ -17,6 +17,11 @@ def staged(shape, dtype: torch.dtype, device: torch.device, fill=0) -> tuple[tor
     return host, host.to(device, copy=True)
 
 
+def copy_event(device: torch.device) -> torch.cuda.Event | None:
+    """What `send` records and `host_views` waits on: a CUDA event on a GPU, None on CPU (copies are synchronous)."""
+    return torch.cuda.Event() if device.type == "cuda" else None
+
+
 def host_views(sent: torch.cuda.Event | None, *twins: torch.Tensor) -> list[np.ndarray]:
     """Host twins as numpy arrays to write a step's inputs into, once the last copy out of them has read them
     (`sent`; None on CPU, where copies are synchronous)."""

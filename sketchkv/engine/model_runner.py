@@ -11,7 +11,7 @@ import torch
 
 from sketchkv.config import EngineConfig, resolved_host_residual_keys, resolved_prefill_selection
 from sketchkv.engine.context import Context, VerifyRows, set_context
-from sketchkv.engine.graph_inputs import host_views, send, staged, write_tables
+from sketchkv.engine.graph_inputs import copy_event, host_views, send, staged, write_tables
 from sketchkv.engine.phase_timer import PhaseTimer
 from sketchkv.engine.sequence import Sequence, block_tables
 from sketchkv.errors import CapacityError, RequestError
@@ -587,10 +587,14 @@ class ModelRunner:
         if not self.graphs or not all(n == 1 and seq.num_cached > 0 for seq, n in batch):
             return None
         max_len = max(seq.num_cached + 1 for seq, _ in batch)
-        need = max(max(len(seq.block_table) for seq, _ in batch), -(-max_len // self.block_size))
+        need = self._blocks_needed(batch, max_len)
         sparse = self._sparse_step(max_len)
         fits = [k for k in self.graphs if k[0] == sparse and k[1] >= len(batch) and k[2] >= need]
         return min(fits, key=lambda k: (k[1], k[2]), default=None)
+
+    def _blocks_needed(self, batch, max_len: int) -> int:
+        """Blocks per row a graph must hold for this step: the widest table, or the longest row's blocks."""
+        return max(max(len(seq.block_table) for seq, _ in batch), -(-max_len // self.block_size))
 
     def _length_buckets(self) -> list[int]:
         """Blocks per sequence of the decode graphs. Selection (sketch scores, top-k; QSA block scores) in a
@@ -608,7 +612,7 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         max_bs = self.cfg.scheduler.max_num_seqs
         sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
-        dev, pin = self.device, self.device.type == "cuda"
+        dev = self.device
         # The graphs' integer inputs are views of device buffers that _stage_decode fills from host twins (staged)
         # in two copies: int64 rows (token ids, positions, KV slots, state slots; with the tier resident rows
         # and hot partitions), and per length bucket nb an int32 [seq_lens | tables [max_bs, nb]] (_int32_buffers).
@@ -621,7 +625,7 @@ class ModelRunner:
         if self.tier is not None:
             self.g_resident_rows, self.g_hot_pids = self.g_int64[4:]
         self.h_int32, self.g_int32, self.g_seq_lens, self.g_tables = self._int32_buffers(max_bs)
-        self.h_copied = torch.cuda.Event() if pin else None   # the last copy out of the host twins
+        self.h_copied = copy_event(dev)   # the last copy out of the host twins
         self.g_out = torch.zeros(max_bs, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         pool = None
@@ -705,9 +709,8 @@ class ModelRunner:
 
     def _stage_decode(self, batch, key: tuple[bool, int, int]) -> Context:
         """A graph decode step's inputs, written on the host into the host twins of the static buffers (padded rows
-        included) and copied in two transfers. Built as device tensors and copied in piece by piece, they were 26
-        small ops, 9 of them pageable copies: ~1.1 ms of host time per step at 8 sequences (issue 41).
-        -> the step's context, over the static buffers."""
+        included) and copied in two transfers (graph_inputs.py says why). -> the step's context, over the static
+        buffers."""
         seqs, (_, bucket, nb) = [seq for seq, _ in batch], key
         h, h32 = host_views(self.h_copied, self.h_int64, self.h_int32)
         end = self._stage_rows(seqs, 1, bucket, nb, h, h32)
@@ -747,7 +750,7 @@ class ModelRunner:
             self.v_resident_rows, self.v_hot_pids = self.v_int64[4:6]
         self.v_seq_slots = self.v_int64[-1, :max(sizes)]
         self.hv_int32, self.v_int32, self.v_lens, self.v_tables = self._int32_buffers(R)
-        self.v_copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.v_copied = copy_event(dev)
         self.v_cu = torch.arange(R + 1, dtype=torch.int32, device=dev)
         self.v_out = torch.zeros(R, self.model_cfg.hidden_size, dtype=self.dtype, device=dev)
         self.v_leaders = torch.arange(max(sizes), device=dev) * Q
@@ -788,7 +791,7 @@ class ModelRunner:
         self.c_pad = np.array([[0], [self.scratch_slot], [0]], dtype=np.int64)
         self.hc_int64, self.c_int64 = staged((3, max(sizes)), torch.int64, dev, self.c_pad)
         self.c_rows0, self.c_slots, self.c_accepted = self.c_int64
-        self.c_copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.c_copied = copy_event(dev)
         for bs in reversed(sizes):
             step = lambda bs=bs: [m.replay_verified(self.c_rows0[:bs], self.c_slots[:bs], self.c_accepted[:bs], Q,
                                                     bs * Q, self.scratch_slot) for m in self.gdn_layers]
@@ -820,7 +823,7 @@ class ModelRunner:
                                              for seq, n in batch):
             return None
         max_len = max(seq.num_cached for seq, _ in batch) + Q
-        need = max(max(len(seq.block_table) for seq, _ in batch), -(-max_len // self.block_size))
+        need = self._blocks_needed(batch, max_len)
         fits = [(b, nb) for _, b, nb in self.verify_graphs if b >= len(batch) and nb >= need]
         bucket = min(fits, default=None)
         return None if bucket is None else (self._sparse_step(max_len), *bucket)

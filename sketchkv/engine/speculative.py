@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from sketchkv.engine.context import Context, VerifyRows, decode_rows, forward_context
-from sketchkv.engine.graph_inputs import host_views, send, staged, write_tables
+from sketchkv.engine.graph_inputs import copy_event, host_views, send, staged, write_tables
 from sketchkv.engine.sequence import Sequence, Status, block_tables
 from sketchkv.errors import CheckpointError
 from sketchkv.layers.attention import Attention
@@ -127,7 +127,7 @@ class MTPDrafter:
         self.h_int64, self.g_int64 = staged((2, B), torch.int64, dev, self.g_pad)
         self.g_pos, self.g_slots = self.g_int64
         self.h_tables, self.g_tables = staged((B, r.max_blocks_per_seq), torch.int32, dev)
-        self.copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.copied = copy_event(dev)
         self.g_drafts = torch.zeros(B, n, dtype=torch.int64, device=dev)
         self.g_cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
         for bs in reversed(sizes):
@@ -192,7 +192,7 @@ class MTPDrafter:
         # accepted rows (to read their outputs)
         self.hc_int64, self.c_int64 = staged((R + R // Q,), torch.int64, r.device)
         self.c_ids, self.c_last = self.c_int64[:R], self.c_int64[R:]
-        self.c_copied = torch.cuda.Event() if r.device.type == "cuda" else None
+        self.c_copied = copy_event(r.device)
         self.c_out = torch.zeros(R, r.model_cfg.hidden_size, dtype=r.dtype, device=r.device)
         for (bs, nb), ctx in sorted(contexts.items(), reverse=True):
             if paged or nb == full:
