@@ -246,10 +246,10 @@ def test_interp_gather_kernel_vs_ref(fmt, Hkv, D, per_head):
 def test_interp_gather_kernel_row_tiles_and_empty():
     store = filled_store("int4", 2, 64)
     rows = torch.arange(143, -1, -1)[:100].contiguous()  # descending, many programs, ragged last tile
-    for rpp in (1, 2, 16):
+    for rpp, cap in ((1, None), (2, None), (16, None), (4, 3), (1, 1)):   # cap: programs looping over the tiles
         out = [torch.zeros(100, 2, 64) for _ in range(2)]
         ref = [torch.zeros(100, 2, 64) for _ in range(2)]
-        host_gather(store.rows(0), rows, *out, "int4", rows_per_program=rpp)
+        host_gather(store.rows(0), rows, *out, "int4", rows_per_program=rpp, max_programs=cap)
         host_gather_ref(store.rows(0), rows, *ref, "int4")
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
     e = [torch.zeros(0, 2, 64) for _ in range(2)]

@@ -90,6 +90,19 @@ def test_prepared_weight_keeps_the_canonical_words(G):
         assert unpack_int4(w.packed)[3, t * w.block_k + 8 * i + j] == q[3, k]
 
 
+def test_config_for_takes_tma_words_up_to_16_rows_where_tma_runs(monkeypatch):
+    """H100 run 113: TMA words win at M <= 8 and lose at M = 64; never on CPU or for rows that are not 16 bytes."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not wg.config_for(8, 34816, 5120, cpu).tma
+    assert not wg._tma_ok(34818, cuda)                       # N % 4: rows of words not 16-byte aligned
+    monkeypatch.setattr(wg, "_tma_ok", lambda N, device: True)
+    monkeypatch.setattr(wg, "_num_sms", lambda device: 132)   # an H100 without asking CUDA
+    tuned = wg.TUNED[(8, 34816, 5120)]
+    assert wg.config_for(8, 34816, 5120, cuda) == Config(**{**tuned.__dict__, "tma": True})
+    assert wg.config_for(16, 4096, 4096, cuda).tma and wg.config_for(1, 4096, 4096, cuda).tma
+    assert not wg.config_for(64, 34816, 5120, cuda).tma and not wg.config_for(17, 4096, 4096, cuda).tma
+
+
 def test_prepare_rejects_mismatched_scales():
     q, s, z = random_int4(16, 64, 32, torch.float32)
     with pytest.raises(AssertionError, match="scales"):

@@ -97,6 +97,31 @@ def test_tier_topk_ge_context_equals_dense(ckpt_with_basis):
     assert counts.tolist() == [200 + 11, 60 + 11]
 
 
+def test_tier_decode_in_groups_same_tokens(ckpt_with_basis, monkeypatch):
+    """sparse_read_groups: a decode step's sequences in groups (on CUDA each group's reads overlap the next group's
+    scoring; here the same calls in order): the same tokens, log-probabilities, picks and hot-buffer hits and
+    misses as one group, and the grouped path really ran (3 sequences in 2 groups)."""
+    calls = []
+    grouped = TieredAttention.decode_in_groups
+    monkeypatch.setattr(TieredAttention, "decode_in_groups", lambda self, parts, *a: calls.append(parts) or
+                        grouped(self, parts, *a))
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    prompts = [_prompt(300, 11), _prompt(90, 12), _prompt(170, 13)]
+    out = {}
+    for groups in (1, 2):
+        llm = _llm(ckpt_with_basis, True, fmt="int4")
+        llm.engine.runner.tier.read_groups = groups   # the runner keeps 1 on CPU (no second stream to overlap)
+        res = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        s = llm.tier_stats()
+        out[groups] = ([o.token_ids for o in res], [o.logprobs for o in res], s.hits, s.misses,
+                       llm.engine.runner.tier_layers[0].last_indices[1].tolist())
+        assert s.hits > 0 and s.misses > 0
+    assert calls and set(calls) == {2}
+    assert out[1][0] == out[2][0] and out[1][2:] == out[2][2:]
+    for a, b in zip(out[1][1], out[2][1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
 def test_tier_gpu_kv_cache_shrinks(ckpt_with_basis):
     """With the tier the full-attention layers hold no paged K/V on the device: only sketches."""
     off, on = _llm(ckpt_with_basis, False).engine.runner, _llm(ckpt_with_basis, True).engine.runner
@@ -592,6 +617,31 @@ def test_gpu_admit_stream_same_tokens_and_hits(gpu_ckpt):
         out[stream] = (toks, s.hits, s.misses)
         assert s.hits > 0 and s.misses > 0
     assert out[True] == out[False]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_read_groups_same_tokens_and_hits(gpu_ckpt):
+    """sparse_read_groups=3 (each group's host reads and attention on the read stream, overlapping the next group's
+    scoring, inside the decode CUDA graphs) against one group, fp32 (the decode kernel's splits follow the batch
+    size): the same greedy tokens and hot-buffer hits and misses."""
+    import gc
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6000, 4000, 2500, 900)]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    out = {}
+    for groups in (1, 3):
+        llm = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(gpu_ckpt, **GPU_OPTS, dtype="float32", sparse_host_tier=True, sparse_host_format="int4",
+                  sparse_read_groups=groups)
+        assert llm.engine.runner.graphs and (llm.engine.runner.tier.read_stream is not None) == (groups > 1)
+        toks = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+        s = llm.tier_stats()
+        out[groups] = (toks, s.hits, s.misses)
+        assert s.hits > 0 and s.misses > 0
+    assert out[1] == out[3]
 
 
 @pytest.mark.gpu

@@ -308,6 +308,34 @@ def test_quantize_writes_compressed_tensors_that_transformers_loads(tmp_path, ca
         assert ((w - wq).abs() <= step * 0.5 + 1e-6).all(), name
 
 
+@pytest.mark.slow
+def test_quantize_autoround_on_a_hybrid_model(tmp_path):
+    """`quantize --method autoround` (2 iterations) on a GDN + full-attention model with an MTP head: auto-round 0.16
+    given strings crashed in the first full-attention block (block 0's cached 2-D GDN mask; quantize._token_samples),
+    and it exports the MTP head itself (int4), which a second, bf16 copy made unloadable. The export is auto-round's
+    GPTQ packing, loads in sketchkv (MTP drafts give plain decoding's tokens) and gives the logits of transformers'
+    bf16 model carrying the library's own dequantization of every int4 layer."""
+    import inspect
+    import json as json_
+    from conftest import add_mtp
+    from sketchkv.quantize import quantize
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "ar")
+    make_checkpoint(src, "qwen3_5_text", hidden_size=128, intermediate_size=256, linear_value_head_dim=32)
+    add_mtp(src)
+    cal = tmp_path / "calibration.txt"
+    cal.write_text(inspect.getsource(json_) * 4)   # real text nobody here wrote: the stdlib's json package
+    out = quantize(src, dst, method="autoround", group_size=64, calibration=[str(cal)], iters=2, quiet=True)
+    assert out["method"] == "autoround" and out["layers"] >= 7
+    fmt, layers, qcfg = _layers(dst)
+    assert qcfg["quant_method"] == "auto-round" and fmt.layout == "gptq" and len(layers) >= 7
+    _check_logits(src, dst, direct=False)
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain, drafted = (LLM(dst, device="cpu", dtype="float32", num_speculative_tokens=n).generate(
+        prompt_token_ids=[ids], sampling_params=sp)[0].token_ids for n in (0, 2))
+    assert plain == drafted
+
+
 def test_weight_kl_is_small_for_int4_and_zero_for_the_same_model(tmp_path):
     from sketchkv.models.presets import save_random_checkpoint
     from sketchkv.quantize import quantize, weight_kl

@@ -8,8 +8,9 @@ For each context L and number of agents N, and each configuration
              before anything is allocated (the capacity table says where dense stops)
     hf       Hugging Face transformers (the same config; fla on a GPU), where it fits (optional)
 
-one point runs: a cold prefill of the N prompts, all N agents decoding concurrently (--decode-tokens
-timed steps with every agent in the batch, CUDA graphs), an optional per-layer-group breakdown of a few
+one point runs: a cold prefill of the N prompts (after an untimed two-chunk prompt: cold caches, compiled
+kernels), all N agents decoding concurrently (--decode-tokens timed steps with every agent in the batch, CUDA
+graphs), an optional per-layer-group breakdown of a few
 eager steps (--breakdown), then a follow-up turn per agent (its conversation so far + --followup-tokens
 new tokens, re-sent whole: the prefix cache serves it): first agent 0 alone, then the others together.
 
@@ -59,7 +60,7 @@ SPEC_KNOBS = ("num_speculative_tokens", "mtp_attention_window")
 SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_host_format",
                 "sparse_hot_fraction", "sparse_host_budget_gb", "sparse_gpu_budget_gb", "sparse_basis",
                 "sparse_head_combine", "sparse_score_kernel", "sparse_tier_kernel", "sparse_verify_selection",
-                "sparse_prefill_selection", "sparse_admit_stream", "sparse_host_residual_keys")
+                "sparse_prefill_selection", "sparse_admit_stream", "sparse_host_residual_keys", "sparse_read_groups")
 LONG = 240_000  # "250K-class" contexts for the goal checks
 
 
@@ -368,6 +369,8 @@ def run_point(llm, config: str, n: int, L: int, args, stream, shape, bw: dict) -
         from sketchkv.errors import CapacityError
         raise CapacityError(f"{n} agents need {need} KV blocks, the engine has {eng.blocks.num_blocks - 1}")
     prompts, msgs = agent_prompts(stream, n, L, args, vocab)
+    if L - filled > chunk:
+        warm_prefill(llm, vocab, min(L, 2 * chunk + bs), args.seed)
     seqs, prefill = prefill_agents(eng, prompts, filled, params, args.fill, args.seed)
     # ---- decode window: every agent in the batch
     assert len(eng.scheduler.running) == n and not eng.scheduler.waiting, "not every agent is decoding"
@@ -492,6 +495,17 @@ def tier_window(runner, tier0, tier1, steps: int) -> tuple[dict | None, float]:
 def fill_tokens(args, L: int, block_size: int) -> int:
     """Tokens per agent that --fill random writes directly (whole blocks, all but the last --tail); 0 for real."""
     return 0 if args.fill == "real" else max(0, (L - max(args.tail, block_size)) // block_size * block_size)
+
+
+def warm_prefill(llm, vocab: int, tokens: int, seed: int) -> None:
+    """An untimed prompt of two chunks and a bit (random ids, one output token) before the timed cold prefill, which
+    then measures a cold prefix cache, not the first compiles of what a chunk over a long prefix runs (Triton's JIT:
+    chunk selection, the prefix rows' reads; the engine's own warm-up prefill is one chunk without a prefix). H200
+    run 117: the first of two processes on a fresh machine paid them and measured its prefill 25% below the other's."""
+    import torch
+    from sketchkv.sampling_params import SamplingParams
+    ids = torch.randint(3, vocab, (tokens,), generator=torch.Generator().manual_seed(seed + 7919)).tolist()
+    llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
 
 
 def prefill_agents(eng, prompts: list[list[int]], filled: int, params, fill: str, seed: int) -> tuple[list, dict]:

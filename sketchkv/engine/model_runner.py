@@ -112,6 +112,8 @@ class ModelRunner:
             raise RequestError(f"sparse_score_kernel must be one of {', '.join(sketch_ops.KERNELS)}, got {sp.score_kernel!r}")
         if sp.tier_kernel not in ("torch", "triton"):
             raise RequestError(f"sparse_tier_kernel must be torch or triton, got {sp.tier_kernel!r}")
+        if sp.read_groups < 1:
+            raise RequestError(f"sparse_read_groups must be >= 1, got {sp.read_groups}")
         if sp.selector == "exact" and sp.host_tier:
             raise RequestError("sparse_selector=exact scores the full keys in GPU memory: not with sparse_host_tier")
         if sp.host_tier and not sp.shared_selection and not qsa:
@@ -322,7 +324,7 @@ class ModelRunner:
                                  max_model_len=self.max_model_len, pool_rows=pool_rows, dtype=self.dtype,
                                  device=self.device, selector_bytes_per_block=self.selector_bytes_per_block,
                                  kernel=sp.tier_kernel, ring_extra=self.cfg.num_speculative_tokens,
-                                 admit_stream=sp.admit_stream)
+                                 admit_stream=sp.admit_stream, read_groups=sp.read_groups)
             for m in self.tier_layers:
                 m.tier = self.tier
             if self.residual_keys:   # the sketch layers rebuild their part of each key (checked in __init__)

@@ -77,7 +77,7 @@ class HostTier:
                  fmt: str, sinks: int, recent: int, hot_fraction: float, num_state_slots: int,
                  max_model_len: int, pool_rows: int, dtype: torch.dtype, device: torch.device,
                  selector_bytes_per_block: int = 0, kernel: str = "torch", ring_extra: int = 0,
-                 admit_stream: bool = False):
+                 admit_stream: bool = False, read_groups: int = 1):
         self.L, self.block_size, self.Hkv, self.D, self.dtype = num_layers, block_size, num_kv_heads, head_dim, dtype
         self.kernel = kernel                            # "torch" | "triton": ops/tier_gather.py, ops/clock_admit.py
         self.sinks, self.recent = sinks, max(recent, 1)
@@ -102,6 +102,14 @@ class HostTier:
         # tensors the side stream reads alive until then (no reuse by the main stream's allocations)
         self.admit_stream = torch.cuda.Stream(device) if admit_stream and device.type == "cuda" else None
         self._pending: list = []
+        # plain decode in groups of sequences (sparse read_groups, TieredKV.decode_in_groups): each group's rows are
+        # read and attended on this stream while the current one scores the next group's selection
+        self.read_groups = read_groups if device.type == "cuda" else 1
+        self.read_stream = torch.cuda.Stream(device) if self.read_groups > 1 else None
+        # then the miss gather runs on at most this many programs, each looping over its tiles: its programs mostly
+        # wait on PCIe, and one program per tile held the SM slots the next group's scoring needed (H100 run 116)
+        self.gather_programs = (torch.cuda.get_device_properties(device).multi_processor_count // 2
+                                if self.read_stream is not None else None)
         # residual keys (sparse host_residual_keys): per layer, (x, slots, sign, out) -> x +/- what the GPU sketches
         # at those slots rebuild of their keys; host K rows hold k minus it, every read adds it back (one kernel on
         # CUDA, ops/sketch_base.py). Bound by the model runner to each layer's SparseAttention.with_sketch_base.
@@ -251,7 +259,7 @@ class HostTier:
         # sort and its permutation cost ~25 us per layer at 8 x 250K (H200 run 48); what order across blocks
         # costs is bench_host_gather.py's "blocks" order. The misses' bytes are counted by stats() from the
         # lookup's miss count (the same rows), not by a reduction here.
-        self.store.gather(layer, miss.flatten(), kf, vf, raw=rec, count=False)
+        self.store.gather(layer, miss.flatten(), kf, vf, raw=rec, count=False, max_programs=self.gather_programs)
         host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
         if self.key_base is not None:   # rows from host records (misses, hot hits: their keys); resident rows: -1
             self.key_base[layer](kf, miss.flatten(), +1, out=kf, hits=hit.flatten(), pool_slots=self.hot.key[layer])
@@ -259,9 +267,13 @@ class HostTier:
 
     def admit(self, layer: int, pids, miss: torch.Tensor, records: torch.Tensor, graph: bool = False) -> torch.Tensor:
         """After the step's attention: the misses (gather's miss keys and records) into the hot buffer. With the
-        admit stream the work is only enqueued there; the pool rows returned are valid after join()."""
+        admit stream the work is only enqueued there; the pool rows returned are valid after join(). miss and records
+        may be lists of consecutive groups' parts (TieredKV.decode_in_groups): joined on the side stream."""
         cap = self.max_part_rows if graph else None
         with self.side(pids, miss, records) as keep:
+            if isinstance(miss, list):
+                miss, records = torch.cat(miss), torch.cat(records)
+                keep += (miss, records)
             rows = self.hot.admit(layer, pids, miss, records, max_cap=cap)
             keep.append(rows)
         return rows
@@ -279,6 +291,21 @@ class HostTier:
         with torch.cuda.stream(self.admit_stream):
             yield keep
         self._pending.append(keep)
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Run the enclosed work (one group's reads and attention) on the read stream, after the current stream's
+        work so far (CUDA with read_groups > 1; else where it is). join_reads() brings it back."""
+        if self.read_stream is None:
+            yield
+            return
+        self.read_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.read_stream):
+            yield
+
+    def join_reads(self) -> None:
+        if self.read_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.read_stream)
 
     def join(self) -> None:
         """End of a step: the current stream waits for the work enqueued on the side stream (admits: the next

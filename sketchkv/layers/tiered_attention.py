@@ -61,7 +61,11 @@ class TieredKV:
         state_slots = ctx.state_slots if sub is None else ctx.state_slots[sub]
         pids = ctx.hot_pids if sub is None else ctx.hot_pids[sub]
         max_len = block_tables.shape[1] * self.tier.block_size if graph else max_seq_len
-        idx, counts = self.select(self.selection_query(q), block_tables, seq_lens, max_len)
+        sq = self.selection_query(q)
+        parts = min(self.tier.read_groups, q.shape[0])
+        if parts > 1 and ctx.verify_leaders is None and not getattr(getattr(self, "cfg", None), "miss_estimate", False):
+            return self.decode_in_groups(parts, q, sq, block_tables, seq_lens, state_slots, pids, max_len, graph)
+        idx, counts = self.select(sq, block_tables, seq_lens, max_len)
         self.last_indices = (idx, counts)
         # verification with one selection per sequence: its rows' positions are nested (each row's are a prefix
         # of its last row's, ascending), so the tier reads the last row's once and every row of the sequence
@@ -71,22 +75,50 @@ class TieredKV:
         groups = self.verify_groups(ctx) if self.verify_shared else None   # (QSA layers never share)
         lasts = None if groups is None else groups[1]
         read = slice(None) if lasts is None else lasts   # the rows whose positions the tier reads
-        k, v, miss, records = self.tier.gather(self.layer, idx[read, 0], counts[read], block_tables[read],
-                                               seq_lens[read], state_slots[read])
-        B, Np = miss.shape
-        nb = Np // ATTN_BLOCK
-        out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                     v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                     None, counts, self.scale, row_groups=groups)   # row b: its own nb blocks
+        out, miss, records = self.read_and_attend(q, idx[read], counts, block_tables[read], seq_lens[read],
+                                                  state_slots[read], groups)
         if lasts is not None:
             pids = pids[lasts]
         elif ctx.verify_leaders is not None:
             # index_fill_, not `first[leaders] = True`: a Python scalar through an index tensor is a host-to-device
             # copy, which a CUDA-graph capture refuses (H200 run 17: verification graphs fell back to eager)
-            first = torch.zeros(B, dtype=torch.bool, device=q.device).index_fill_(0, ctx.verify_leaders, True)
+            first = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device).index_fill_(0, ctx.verify_leaders, True)
             miss = torch.where(first[:, None], miss, -1)
         self.tier.admit(self.layer, pids, miss, records, graph)
         return out
+
+    def read_and_attend(self, q, idx, counts, block_tables, seq_lens, state_slots, groups=None):
+        """The picks idx [B', 1, N] of the rows the tier reads (resident rows, hot buffer, host misses) into a K/V
+        scratch, attended by q (row_groups: see decode) -> output, miss keys [B', Np] and their host records."""
+        k, v, miss, records = self.tier.gather(self.layer, idx[:, 0], counts if groups is None else counts[groups[1]],
+                                               block_tables, seq_lens, state_slots)
+        B, Np = miss.shape
+        nb = Np // ATTN_BLOCK
+        out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
+                                     v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
+                                     None, counts, self.scale, row_groups=groups)   # row b: its own nb blocks
+        return out, miss, records
+
+    def decode_in_groups(self, parts, q, sq, block_tables, seq_lens, state_slots, pids, max_len, graph):
+        """Decode (no verification) with the batch's sequences in `parts` groups: each group's selection is scored on
+        the current stream right after the previous group's, and its rows are read and attended on the tier's read
+        stream as soon as its picks exist, so one group's PCIe reads overlap the next group's scoring. One admit
+        after the join takes every group's misses (one CLOCK kernel for the batch, as without groups). Every tensor
+        a stream reads stays referenced here until the join: no allocation of the other stream can reuse it early."""
+        B = q.shape[0]
+        cuts = [B * i // parts for i in range(parts + 1)]
+        picks, done = [], []
+        for a, b in zip(cuts, cuts[1:]):
+            idx, counts = self.select(sq[a:b], block_tables[a:b], seq_lens[a:b], max_len)
+            with self.tier.reading():
+                done.append(self.read_and_attend(q[a:b], idx, counts, block_tables[a:b], seq_lens[a:b],
+                                                 state_slots[a:b]))
+            picks.append((idx, counts))
+        self.tier.join_reads()
+        self.last_indices = tuple(torch.cat(x) for x in zip(*picks))
+        outs, misses, records = zip(*done)
+        self.tier.admit(self.layer, pids, list(misses), list(records), graph)
+        return torch.cat(outs)
 
 
 class TieredAttention(TieredKV, SparseAttention):

@@ -110,9 +110,22 @@ if triton is not None:
         ROW_BYTES: tl.constexpr, HEAD_BYTES: tl.constexpr, ROWS: tl.constexpr,
         PER_HEAD: tl.constexpr, HAS_DROWS: tl.constexpr, RAW: tl.constexpr,
     ):
+        # program p: tiles p, p + programs, ... (one each unless the grid is capped: max_programs)
+        for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), tl.num_programs(0)):
+            _gather_tile(tile, data_ptr, scale_ptr, rows_ptr, drows_ptr, dk_ptr, dv_ptr, rawd_ptr, raws_ptr, n,
+                         stride_rh, stride_dh, stride_km, stride_kh, stride_vm, stride_vh, FMT, HKV, HP, D, NG,
+                         ROW_BYTES, HEAD_BYTES, ROWS, PER_HEAD, HAS_DROWS, RAW)
+
+    @triton.jit
+    def _gather_tile(
+        tile, data_ptr, scale_ptr, rows_ptr, drows_ptr, dk_ptr, dv_ptr, rawd_ptr, raws_ptr, n,
+        stride_rh, stride_dh, stride_km, stride_kh, stride_vm, stride_vh,
+        FMT: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+        ROW_BYTES: tl.constexpr, HEAD_BYTES: tl.constexpr, ROWS: tl.constexpr,
+        PER_HEAD: tl.constexpr, HAS_DROWS: tl.constexpr, RAW: tl.constexpr,
+    ):
         # RAW: also store each record as read (same views as data/scale) at its destination row
-        pid = tl.program_id(0)
-        i = pid * ROWS + tl.arange(0, ROWS)
+        i = tile * ROWS + tl.arange(0, ROWS)
         if PER_HEAD:  # HP == 1: this program's KV head
             h0 = tl.program_id(1)
             heads = h0 + tl.arange(0, HP)
@@ -244,7 +257,9 @@ def _views(buf, fmt):
 
 
 def host_gather_triton(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, raw=None, *, rows_per_program=None,
-                       num_warps=4):
+                       num_warps=4, max_programs=None):
+    """max_programs: cap the grid (each program then loops over its share of the tiles), leaving SMs to kernels
+    of other streams while the PCIe reads are in flight (default: one program per tile)."""
     Hkv, D, hb = _check(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
     assert D & (D - 1) == 0 and D >= 16, "head_dim must be a power of two >= 16"
     assert rows.stride(-1) == 1 and (dst_rows is None or dst_rows.stride(-1) == 1)
@@ -260,7 +275,7 @@ def host_gather_triton(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, raw=Non
     data, scale = _views(src, fmt)
     raw_data, raw_scale = _views(raw, fmt) if raw is not None else (data, scale)  # dummies when absent
     drows = dst_rows if dst_rows is not None else rows  # dummy pointer when absent
-    grid = (triton.cdiv(N, ROWS), Hkv if per_head else 1)
+    grid = (min(triton.cdiv(N, ROWS), max_programs or N), Hkv if per_head else 1)
     _host_gather_kernel[grid](
         data, scale, rows, drows, dst_k, dst_v, raw_data, raw_scale, N,
         rows.stride(0) if per_head else 0, drows.stride(0) if per_head else 0,
@@ -282,7 +297,7 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, s
     receives each pick's record as stored (see host_gather_ref). sort=True orders the picks by address first (on the
     device, no sync), within each of `segments` equal parts of the last dim (the host tier: one per sequence, whose
     rows live in its own blocks, so this has a global sort's locality). Triton on CUDA (src pinned or on the GPU) and under TRITON_INTERPRET=1; the
-    reference otherwise. kw: rows_per_program, num_warps (kernel knobs)."""
+    reference otherwise. kw: rows_per_program, num_warps, max_programs (kernel knobs)."""
     if sort:
         # 32-bit keys (host rows < 2^31). Segments of <= 4096 keys sort inside one block each: one kernel, where
         # the tier's flattened batch took 8 radix passes (58 us per layer at 8 x 250K, H200 run 35; 20 in run 38).

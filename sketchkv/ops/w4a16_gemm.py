@@ -29,10 +29,11 @@ the MMA's waits: H100 ncu (run 107) found ptxas serializing the 32 wgmmas of a B
 WARPGROUP.DEPBAR after every HGMMA; barrier stalls 32%, DRAM 52%), yet subtracting integer zeros from the 16-bit
 weights (one dot per group: 16 HGMMAs and one DEPBAR per tile in the SASS) left gate_up at the same 54 us and
 slowed the BLOCK_N 64 shapes 2x (run 109), and mma.sync (DISABLE_MMA_V3=1) was 10-30% slower at M <= 8 even
-with its own configs (run 108). Built, not yet timed: the words' tiles by TMA (Config.tma: a host tensor
-descriptor of the packed words, each [KW, BLOCK_N] tile one cp.async.bulk.tensor into shared memory, read back
-transposed; sm_90 PTX checked, interpreter-tested; off until benchmarks/studies/w4a16_tma.py measures it). Not
-tried: a per-tile contiguous layout, a persistent or warp-specialized kernel.
+with its own configs (run 108). What helped: the words' tiles by TMA (Config.tma: a host tensor descriptor
+of the packed words, each [KW, BLOCK_N] tile one cp.async.bulk.tensor into shared memory, read back transposed):
+H100 run 113 (benchmarks/studies/w4a16_tma.py) 54% -> 60% of the int4 floor at M = 1, 8 (slower at M = 64), so
+config_for turns it on up to 16 rows on sm_90+. Not tried: a per-tile contiguous layout, a persistent or
+warp-specialized kernel.
 
 Small M (decode), _gemv_kernel: CUDA cores, built for bandwidth. H200 run 98 had the tensor-core kernel at
 38-42% of the int4 floor at M = 1, 8: its words reach shared memory by 4-byte cp.async (Triton orders the
@@ -56,7 +57,7 @@ is left is issue (instructions) or bytes in flight (then: more columns per progr
 of the next tile). Weights with K tiles of several groups (block_k > G) stay on the tensor-core kernel.
 """
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -235,21 +236,39 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[device.index]
 
 
+def _tma_ok(N: int, device: torch.device) -> bool:
+    """TMA needs sm_90+, Triton's host descriptors and 16-byte rows of words (N % 4 == 0)."""
+    if device.type != "cuda" or TensorDescriptor is None or N % 4:
+        return False
+    if device.index not in _CAPABILITY:
+        _CAPABILITY[device.index] = torch.cuda.get_device_capability(device)
+    return _CAPABILITY[device.index] >= (9, 0)
+
+
+_CAPABILITY: dict = {}
+
+
 def config_for(M: int, N: int, K: int, device: torch.device) -> Config:
     """The tuned config of (M bucket, N, K), else (the shape of the H200 sweeps' winners): the weight on the
     MMA's M side, BLOCK_M 16 up to 16 rows (then the M bucket), BLOCK_N 64 up to 16 rows (else 128), and
-    split-K until the output tiles x splits cover the SMs 4 times (each split keeping >= 4 K tiles of 128)."""
+    split-K until the output tiles x splits cover the SMs 4 times (each split keeping >= 4 K tiles of 128).
+    Words by TMA up to 16 rows on sm_90+: H100 run 113 had the 27B step's GEMMs 8.06 -> 7.25 ms at M = 1 and
+    8.13 -> 7.35 at M = 8 with the same configs, but 16.69 -> 17.68 ms at M = 64."""
     bm = m_bucket(M)
     if (bm, N, K) in TUNED:
-        return TUNED[(bm, N, K)]
-    bm = max(bm, 16)
-    bn = 64 if bm <= 16 else 128
-    tiles = -(-N // bn) * -(-M // bm)
-    split = 1
-    while tiles * split < 4 * _num_sms(device) and K // 128 >= 8 * split:
-        split *= 2
-    return Config(block_m=bm, block_n=bn, split_k=split, num_warps=4 if bm <= 64 else 8,
-                  num_stages=3 if bm <= 16 else 4)
+        cfg = TUNED[(bm, N, K)]
+    else:
+        bm = max(bm, 16)
+        bn = 64 if bm <= 16 else 128
+        tiles = -(-N // bn) * -(-M // bm)
+        split = 1
+        while tiles * split < 4 * _num_sms(device) and K // 128 >= 8 * split:
+            split *= 2
+        cfg = Config(block_m=bm, block_n=bn, split_k=split, num_warps=4 if bm <= 64 else 8,
+                     num_stages=3 if bm <= 16 else 4)
+    if M <= 16 and _tma_ok(N, device):
+        cfg = replace(cfg, tma=True)
+    return cfg
 
 
 @dataclass(frozen=True)
