@@ -103,3 +103,22 @@ def test_sketch_sparse_still_refused_tier_needs_nothing_else(qwen4):
         _llm(qwen4, False, sparse=True)
     with pytest.raises(RequestError, match="speculative"):
         _llm(qwen4, True, num_speculative_tokens=1)
+
+
+def test_tier_decode_in_groups_same_tokens(qwen4, monkeypatch):
+    """sparse_read_groups (forced on here: the runner keeps 1 on CPU) through QSA selection: 3 sequences in 2 groups
+    give the tokens and log-probabilities of one group, and the grouped path really ran."""
+    calls = []
+    grouped = TieredIndexedAttention.decode_in_groups
+    monkeypatch.setattr(TieredIndexedAttention, "decode_in_groups", lambda self, parts, *a: calls.append(parts) or
+                        grouped(self, parts, *a))
+    prompts = [_prompt(300, 1), _prompt(150, 2), _prompt(21, 3)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = []
+    for groups in (1, 2):
+        llm = _llm(qwen4, True, dtype="float32")
+        llm.engine.runner.tier.read_groups = groups
+        outs.append([(o.token_ids, o.logprobs) for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)])
+    assert calls and set(calls) == {2}
+    for (t1, l1), (t2, l2) in zip(*outs):
+        assert t1 == t2 and max(abs(a - b) for a, b in zip(l1, l2)) < 1e-5

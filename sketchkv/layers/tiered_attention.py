@@ -19,6 +19,9 @@ shapes and no host sync: CUDA-graph capturable. In a speculative verification st
 sequence (its token and its drafts) selects and reads for its own position; with one selection per
 sequence (sparse verify_selection=shared) the sequence's rows are read once, for all of them.
 
+With sparse read_groups > 1 (CUDA) a plain decode step does this per group of sequences, each group's reads and
+attention on a second stream while the next group's selection is scored (decode_in_groups).
+
 Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier (or, with
 prefill_selection=chunk, over the rows one selection per chunk picked: only those are read).
 """
@@ -63,7 +66,9 @@ class TieredKV:
         max_len = block_tables.shape[1] * self.tier.block_size if graph else max_seq_len
         sq = self.selection_query(q)
         parts = min(self.tier.read_groups, q.shape[0])
-        if parts > 1 and ctx.verify_leaders is None and not getattr(getattr(self, "cfg", None), "miss_estimate", False):
+        # not in verification steps, nor with miss_estimate (its buffer takes one select call per step; QSA: no cfg)
+        miss_estimate = getattr(self, "cfg", None) is not None and self.cfg.miss_estimate
+        if parts > 1 and ctx.verify_leaders is None and not miss_estimate:
             return self.decode_in_groups(parts, q, sq, block_tables, seq_lens, state_slots, pids, max_len, graph)
         idx, counts = self.select(sq, block_tables, seq_lens, max_len)
         self.last_indices = (idx, counts)
