@@ -145,7 +145,6 @@ def gated_delta_rule_rows_ref(q, k, v, g, beta, states, slots, rows0, T: int, ke
     N = slots.shape[0]
     if rows0 is None:
         rows0 = torch.arange(N, device=q.device) * T
-    local = torch.arange(N, device=q.device)
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     last = kept if kept is not None else torch.full((N,), T - 1, device=q.device)
     keep = work.clone()
