@@ -14,7 +14,8 @@ from sketchkv.kv.host_store import HostKVStore, TierStats, positions_to_slots
 from sketchkv.kv.hot_buffer import HotBuffer
 from sketchkv.ops import host_gather as hg
 from sketchkv.ops import quant_kv as qk
-from sketchkv.ops.host_gather import host_gather, host_gather_ref, host_scatter_rows, host_scatter_rows_ref
+from sketchkv.ops.host_gather import (host_copy_rows, host_copy_rows_ref, host_gather, host_gather_ref, host_scatter_rows,
+                                      host_scatter_rows_ref)
 from conftest import run_interpreter_tests
 
 needs_interp = pytest.mark.skipif(not hg._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child (test_interpreter_child)")
@@ -609,7 +610,8 @@ def test_gpu_pack_kernel_is_reference_bytes(fmt):
 @needs_cuda
 @pytest.mark.parametrize("fmt", qk.FORMATS)
 def test_gpu_gather_from_pinned_1gib(fmt):
-    """27B shape (4 KV heads x 256) over ~1 GiB of pinned rows written through the UVA scatter."""
+    """27B shape (4 KV heads x 256) over ~1 GiB of pinned rows written through the UVA scatter: the gather (shared
+    picks, sorted or not, capped grid; per-head picks) and the whole-row copy against the references."""
     Hkv, D, bs = 4, 256, 64
     rb = qk.row_bytes(fmt, Hkv, D)
     num_blocks = (2 ** 30 // rb) // bs
@@ -632,6 +634,13 @@ def test_gpu_gather_from_pinned_1gib(fmt):
         torch.testing.assert_close(dk.cpu()[ok].float(), rk[ok].to(torch.bfloat16).float(), atol=0, rtol=2 ** -8)
         torch.testing.assert_close(dv.cpu()[ok].float(), rv[ok].to(torch.bfloat16).float(), atol=0, rtol=2 ** -8)
         assert (dk.cpu()[~ok] == 0).all()
+    # whole rows as stored (sparse miss_read="rows"), full and capped grid: byte for byte; -1 rows untouched
+    picks = written[torch.randint(0, 65536, (131072,), device="cuda")]
+    picks[::97] = -1
+    want = host_copy_rows_ref(store.rows(0), picks.cpu(), torch.full((131072, rb), 5, dtype=torch.uint8))
+    for cap in (None, 66):
+        got = store.copy_rows(0, picks, torch.full((131072, rb), 5, dtype=torch.uint8, device="cuda"), max_programs=cap)
+        assert torch.equal(got.cpu(), want)
     # per-KV-head picks
     picks = torch.stack([written[torch.randint(0, 65536, (4096,), device="cuda")] for _ in range(Hkv)])
     dk = torch.zeros(4096, Hkv, D, device="cuda")
@@ -782,3 +791,27 @@ def test_bench_host_gather_smoke(tmp_path):
     orders = {(g["case"], g["order"]) for g in res["gather"]}
     assert len(orders) == 3 * len({g["case"] for g in res["gather"]}) and all(g["exact_vs_ref"] for g in res["gather"])
     assert res["hot_buffer_step"]["us"] > 0 and 0 < res["hot_buffer_step"]["hit_rate"] < 1
+
+
+@needs_interp
+@pytest.mark.parametrize("fmt,Hkv", [("int4", 4), ("bf16", 2), ("int8", 1)])
+def test_interp_copy_rows_vs_ref(fmt, Hkv):
+    """host_copy_rows under the interpreter: the picked rows byte for byte (-1 skipped, those rows untouched), with a
+    capped grid too; then host_gather from the copies gives what host_gather from the host rows gives."""
+    store = filled_store(fmt, Hkv, 32, seed=5, num_blocks=6, bs=16)
+    src = store.rows(0)
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randperm(src.shape[0], generator=g)[:45].int()
+    rows[[0, 17, 44]] = -1
+    want = host_copy_rows_ref(src, rows, torch.full((45, src.shape[1]), 7, dtype=torch.uint8))
+    for cap in (None, 2):
+        got = host_copy_rows(src, rows, torch.full((45, src.shape[1]), 7, dtype=torch.uint8), rows_per_program=4,
+                             max_programs=cap)
+        assert torch.equal(got, want)
+    assert (want[[0, 17, 44]] == 7).all() and torch.equal(want[1], src[rows[1]])
+    local = torch.where(rows >= 0, torch.arange(45, dtype=torch.int32), -1)
+    a = [torch.zeros(45, Hkv, 32) for _ in range(2)]
+    b = [torch.zeros(45, Hkv, 32) for _ in range(2)]
+    host_gather(src, rows, *a, fmt)
+    host_gather(want, local, *b, fmt)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -122,6 +122,32 @@ def test_tier_decode_in_groups_same_tokens(ckpt_with_basis, monkeypatch):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["int4", "k8v4"])
+def test_tier_miss_read_rows_same_tokens(ckpt_with_basis, fmt, monkeypatch):
+    """sparse_miss_read="rows" (each miss row copied whole, then dequantised from the copy) against "fields": the
+    same tokens, log-probabilities, hot-buffer hits and misses (the admitted records are the same bytes); residual
+    keys on with int4 (their base is added after either read); the copy path really ran."""
+    from sketchkv.kv import host_store
+    copies = []
+    copy = host_store.HostKVStore.copy_rows
+    monkeypatch.setattr(host_store.HostKVStore, "copy_rows", lambda self, *a, **k: copies.append(1) or copy(self, *a, **k))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [_prompt(300, 21), _prompt(120, 22)]
+    out = {}
+    for read in ("fields", "rows"):
+        llm = _llm(ckpt_with_basis, True, fmt=fmt, sparse_miss_read=read)
+        res = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        s = llm.tier_stats()
+        out[read] = ([o.token_ids for o in res], [o.logprobs for o in res], s.hits, s.misses)
+        assert s.misses > 0
+    assert copies
+    assert out["fields"][0] == out["rows"][0] and out["fields"][2:] == out["rows"][2:]
+    for a, b in zip(out["fields"][1], out["rows"][1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6
+    with pytest.raises(Exception, match="sparse_miss_read"):
+        _llm(ckpt_with_basis, True, sparse_miss_read="bytes")
+
+
 def test_tier_gpu_kv_cache_shrinks(ckpt_with_basis):
     """With the tier the full-attention layers hold no paged K/V on the device: only sketches."""
     off, on = _llm(ckpt_with_basis, False).engine.runner, _llm(ckpt_with_basis, True).engine.runner

@@ -6,9 +6,10 @@ it reads 27-30% of the pinned copy bandwidth (H100 run 112) against 83-90% elsew
 picks a 27B layer's step makes at 8 x 250K (16K rows of 1,088 B, and 131K), in the tier's "blocks" order:
 
     fields   the shipped kernel (host_gather with raw=): dequantised K/V + the raw records
-    raw      a row copy: each row's bytes as two contiguous loads (1,024 + 64 B) into the raw records only
+    raw      host_copy_rows: each row's bytes as two contiguous loads (1,024 + 64 B) into the raw records only
+             (rows per program 8, and 4 / 16)
     raw+deq  raw, then the shipped kernel on the copied records (GPU memory): the two-phase miss path
-    pad      raw over rows at a 1,152-byte stride (128-byte aligned rows: same bytes read, +5.9% host memory)
+    1152     raw over 1,152-byte rows (128-byte aligned; reads 1,152 B per row, GB/s counts the 1,088 a row holds)
 
 GB/s = picked row bytes / time, against the H2D copy bandwidth measured in the same run. Every variant is checked
 against the reference on fresh random rows first.
@@ -23,38 +24,13 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, ".")
 from sketchkv.kv.host_store import alloc_host  # noqa: E402
-from sketchkv.ops.host_gather import host_gather, host_gather_ref  # noqa: E402
+from sketchkv.ops.host_gather import host_copy_rows, host_gather, host_gather_ref  # noqa: E402
 from sketchkv.ops.quant_kv import pack_kv  # noqa: E402
 
 HKV, D, ROW = 4, 256, 1088
-
-
-@triton.jit
-def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, STRIDE_W: tl.constexpr, ROWS: tl.constexpr):
-    # rows of 272 int32 words (1,088 B) at a STRIDE_W-word stride: words 0..255 and 256..271 as two loads, so every
-    # load is a power-of-two run of contiguous words (16-byte vectors) with no per-word mask
-    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    r = tl.load(rows_ptr + i, mask=i < n, other=-1).to(tl.int64)
-    ok = (r >= 0)[:, None]
-    a = tl.arange(0, 256)[None, :]
-    b = 256 + tl.arange(0, 16)[None, :]
-    x = tl.load(src_ptr + r[:, None] * STRIDE_W + a, mask=ok, other=0)
-    y = tl.load(src_ptr + r[:, None] * STRIDE_W + b, mask=ok, other=0)
-    o = i.to(tl.int64)[:, None] * 272
-    tl.store(dst_ptr + o + a, x, mask=ok)
-    tl.store(dst_ptr + o + b, y, mask=ok)
-
-
-def copy_rows(src_words: torch.Tensor, stride_w: int, rows: torch.Tensor, dst: torch.Tensor, rows_per_program=8,
-              num_warps=4):
-    n = rows.numel()
-    _copy_rows_kernel[(triton.cdiv(n, rows_per_program),)](src_words, rows, dst.view(torch.int32), n, STRIDE_W=stride_w,
-                                                         ROWS=rows_per_program, num_warps=num_warps)
-    return dst
 
 
 def main():
@@ -102,12 +78,12 @@ def main():
             k = torch.randn(N, HKV, D, device=dev)
             rec = pack_kv(k, torch.randn_like(k), "int4").reshape(N, ROW)
             src[picks.long().cpu(), :ROW] = rec.cpu()
-            raw = torch.empty(N, ROW, dtype=torch.uint8, device=dev)
-            copy_rows(src.view(torch.int32), stride // 4, picks, raw)
-            assert torch.equal(raw.cpu(), rec.cpu()), f"copy_rows {name}: rows differ"
-            t = {"raw": bench(lambda: copy_rows(src.view(torch.int32), stride // 4, picks, raw))}
+            raw = torch.empty(N, stride, dtype=torch.uint8, device=dev)
+            host_copy_rows(src, picks, raw)
+            assert torch.equal(raw[:, :ROW].cpu(), rec.cpu()), f"host_copy_rows {name}: rows differ"
+            t = {"raw": bench(lambda: host_copy_rows(src, picks, raw))}
             for rpp in (4, 16):
-                t[f"raw rpp{rpp}"] = bench(lambda: copy_rows(src.view(torch.int32), stride // 4, picks, raw, rpp))
+                t[f"raw rpp{rpp}"] = bench(lambda: host_copy_rows(src, picks, raw, rows_per_program=rpp))
             if stride == ROW:
                 # checked in fp32 (exact: both compute q * s in fp32), timed into bf16 (the engine's)
                 dk = torch.empty(N, HKV, D, device=dev)
@@ -122,7 +98,7 @@ def main():
                 assert torch.equal(dk.cpu(), rk) and torch.equal(dv.cpu(), rv), "raw+deq: K/V differ"
                 dk, dv = dk.to(torch.bfloat16), dv.to(torch.bfloat16)
                 t["fields"] = bench(lambda: host_gather(src, picks, dk, dv, "int4", raw=raw))
-                t["raw+deq"] = bench(lambda: (copy_rows(src.view(torch.int32), stride // 4, picks, raw),
+                t["raw+deq"] = bench(lambda: (host_copy_rows(src, picks, raw),
                                               host_gather(raw, local, dk, dv, "int4")))
                 t["deq only (GPU)"] = bench(lambda: host_gather(raw, local, dk, dv, "int4"))
             for variant, s in t.items():

@@ -60,7 +60,8 @@ SPEC_KNOBS = ("num_speculative_tokens", "mtp_attention_window")
 SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_host_format",
                 "sparse_hot_fraction", "sparse_host_budget_gb", "sparse_gpu_budget_gb", "sparse_basis",
                 "sparse_head_combine", "sparse_score_kernel", "sparse_tier_kernel", "sparse_verify_selection",
-                "sparse_prefill_selection", "sparse_admit_stream", "sparse_host_residual_keys", "sparse_read_groups")
+                "sparse_prefill_selection", "sparse_admit_stream", "sparse_host_residual_keys", "sparse_read_groups",
+                "sparse_miss_read")
 LONG = 240_000  # "250K-class" contexts for the goal checks
 
 

@@ -114,6 +114,8 @@ class ModelRunner:
             raise RequestError(f"sparse_tier_kernel must be torch or triton, got {sp.tier_kernel!r}")
         if sp.read_groups < 1:
             raise RequestError(f"sparse_read_groups must be >= 1, got {sp.read_groups}")
+        if sp.miss_read not in ("fields", "rows"):
+            raise RequestError(f"sparse_miss_read must be fields or rows, got {sp.miss_read!r}")
         if sp.selector == "exact" and sp.host_tier:
             raise RequestError("sparse_selector=exact scores the full keys in GPU memory: not with sparse_host_tier")
         if sp.host_tier and not sp.shared_selection and not qsa:
@@ -324,7 +326,8 @@ class ModelRunner:
                                  max_model_len=self.max_model_len, pool_rows=pool_rows, dtype=self.dtype,
                                  device=self.device, selector_bytes_per_block=self.selector_bytes_per_block,
                                  kernel=sp.tier_kernel, ring_extra=self.cfg.num_speculative_tokens,
-                                 admit_stream=sp.admit_stream, read_groups=sp.read_groups)
+                                 admit_stream=sp.admit_stream, read_groups=sp.read_groups,
+                                 miss_read=sp.miss_read)
             for m in self.tier_layers:
                 m.tier = self.tier
             if self.residual_keys:   # the sketch layers rebuild their part of each key (checked in __init__)

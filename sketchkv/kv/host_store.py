@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from sketchkv.ops.host_gather import host_gather, host_scatter_rows
+from sketchkv.ops.host_gather import host_copy_rows, host_gather, host_scatter_rows
 from sketchkv.ops.quant_kv import FORMATS, head_record_bytes, pack_kv, unpack_kv
 
 
@@ -227,6 +227,13 @@ class HostKVStore:
             per_pick = self.head_bytes if rows.dim() == 2 else self.row_bytes
             self.counters.add("pcie_read_bytes", (rows >= 0).sum() * per_pick)
         return dst_k, dst_v
+
+    def copy_rows(self, layer: int, rows: torch.Tensor, dst: torch.Tensor, **kw) -> torch.Tensor:
+        """This layer's rows `rows` [N] (< 0 skipped) as stored into dst uint8 [N, row_bytes] (host_copy_rows, after
+        the layer's pending writes); not counted (the tier's decode step counts its misses)."""
+        if dst.is_cuda and self._events[layer] is not None and not torch.cuda.is_current_stream_capturing():
+            self.wait(layer)
+        return host_copy_rows(self.rows(layer), rows, dst, **kw)
 
     def stats(self) -> TierStats:
         """Counters so far (one host sync, after the pending writes: their stream counts them) plus the bytes

@@ -77,7 +77,7 @@ class HostTier:
                  fmt: str, sinks: int, recent: int, hot_fraction: float, num_state_slots: int,
                  max_model_len: int, pool_rows: int, dtype: torch.dtype, device: torch.device,
                  selector_bytes_per_block: int = 0, kernel: str = "torch", ring_extra: int = 0,
-                 admit_stream: bool = False, read_groups: int = 1):
+                 admit_stream: bool = False, read_groups: int = 1, miss_read: str = "fields"):
         self.L, self.block_size, self.Hkv, self.D, self.dtype = num_layers, block_size, num_kv_heads, head_dim, dtype
         self.kernel = kernel                            # "torch" | "triton": ops/tier_gather.py, ops/clock_admit.py
         self.sinks, self.recent = sinks, max(recent, 1)
@@ -110,6 +110,7 @@ class HostTier:
         # wait on PCIe, and one program per tile held the SM slots the next group's scoring needed (H100 run 116)
         self.gather_programs = (torch.cuda.get_device_properties(device).multi_processor_count // 2
                                 if self.read_stream is not None else None)
+        self.miss_read = miss_read    # "fields" | "rows" (sparse miss_read): how gather reads the misses' host rows
         # residual keys (sparse host_residual_keys): per layer, (x, slots, sign, out) -> x +/- what the GPU sketches
         # at those slots rebuild of their keys; host K rows hold k minus it, every read adds it back (one kernel on
         # CUDA, ops/sketch_base.py). Bound by the model runner to each layer's SparseAttention.with_sketch_base.
@@ -259,7 +260,13 @@ class HostTier:
         # sort and its permutation cost ~25 us per layer at 8 x 250K (H200 run 48); what order across blocks
         # costs is bench_host_gather.py's "blocks" order. The misses' bytes are counted by stats() from the
         # lookup's miss count (the same rows), not by a reduction here.
-        self.store.gather(layer, miss.flatten(), kf, vf, raw=rec, count=False, max_programs=self.gather_programs)
+        if self.miss_read == "rows":   # the records whole over PCIe, then dequantised from GPU memory
+            m = miss.flatten()
+            self.store.copy_rows(layer, m, rec, max_programs=self.gather_programs)
+            local = torch.where(m >= 0, torch.arange(m.numel(), device=m.device, dtype=torch.int32), -1)
+            host_gather(rec, local, kf, vf, self.store.fmt)
+        else:
+            self.store.gather(layer, miss.flatten(), kf, vf, raw=rec, count=False, max_programs=self.gather_programs)
         host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
         if self.key_base is not None:   # rows from host records (misses, hot hits: their keys); resident rows: -1
             self.key_base[layer](kf, miss.flatten(), +1, out=kf, hits=hit.flatten(), pool_slots=self.hot.key[layer])

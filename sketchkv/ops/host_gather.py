@@ -1,6 +1,7 @@
 """The host tier's miss path: read picked rows straight from host memory, dequantise, write K/V rows
-on the GPU. PyTorch reference + Triton kernel + one dispatch; plus the write path (GPU rows
-scattered into host memory by a kernel).
+on the GPU. PyTorch reference + Triton kernel + one dispatch; plus a whole-row copy (host_copy_rows: the raw
+records only, dequantised afterwards from GPU memory) and the write path (GPU rows scattered into host memory by
+a kernel).
 
 Source: one layer's host rows, uint8 [R, row_bytes] (layout: sketchkv.ops.quant_kv), row = slot =
 block * block_size + offset, the same slot numbers as the GPU KV cache.
@@ -85,6 +86,13 @@ def host_gather_ref(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, raw=None):
             dst_k[d] = k.to(dst_k.device, dst_k.dtype)
             dst_v[d] = v.to(dst_v.device, dst_v.dtype)
     return dst_k, dst_v
+
+
+def host_copy_rows_ref(src, rows, dst):
+    """dst[i] = src[rows[i]] for rows[i] >= 0 (uint8 rows as stored; others untouched)."""
+    ok = rows >= 0
+    dst[ok.nonzero().flatten().to(dst.device)] = src[rows[ok].long().to(src.device)].to(dst.device)
+    return dst
 
 
 def host_scatter_rows_ref(dst, slots, src, counter=None):
@@ -232,6 +240,25 @@ if triton is not None:
         if COUNT:
             tl.atomic_add(cnt_ptr, tl.sum((s >= 0).to(tl.int64), 0) * (RW * 4))
 
+    @triton.jit
+    def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, RW: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+                          ROWS: tl.constexpr):
+        """dst[i] = src[rows[i]], rows of RW int32 words read whole: the first HEAD words (a power of two) as one
+        unmasked run per row (16-byte vectors), the TAIL words after them (TAIL a power of two >= RW - HEAD) masked;
+        rows < 0 skipped. Programs loop over tiles of ROWS rows (the grid may be capped, see host_gather_triton)."""
+        for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), tl.num_programs(0)):
+            i = tile * ROWS + tl.arange(0, ROWS)
+            r = tl.load(rows_ptr + i, mask=i < n, other=-1).to(tl.int64)
+            ok = (r >= 0)[:, None]
+            a = tl.arange(0, HEAD)[None, :]
+            src_row = src_ptr + r[:, None] * RW
+            dst_row = dst_ptr + i.to(tl.int64)[:, None] * RW
+            tl.store(dst_row + a, tl.load(src_row + a, mask=ok, other=0), mask=ok)
+            if TAIL > 0:
+                b = HEAD + tl.arange(0, TAIL)[None, :]
+                m = ok & (b < RW)
+                tl.store(dst_row + b, tl.load(src_row + b, mask=m, other=0), mask=m)
+
     _INTERPRETED = not isinstance(_host_gather_kernel, triton.runtime.JITFunction)
 else:
     _INTERPRETED = False
@@ -313,6 +340,34 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, s
     if _use_triton(dst_k):
         return host_gather_triton(src, rows.contiguous(), dst_k, dst_v, fmt, dst_rows, raw, **kw)
     return host_gather_ref(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
+
+
+def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, max_programs=None):
+    R, rb = src.shape
+    assert src.dtype == dst.dtype == torch.uint8 and dst.shape == (rows.shape[0], rb) and rb % 4 == 0
+    assert src.is_contiguous() and dst.is_contiguous() and rows.dim() == 1 and rows.is_contiguous()
+    if dst.is_cuda and not torch.cuda.is_current_stream_capturing():
+        assert src.is_cuda or src.is_pinned(), "host rows must be pinned (page-locked) for zero-copy reads"
+    n = rows.shape[0]
+    if n == 0:
+        return dst
+    RW = rb // 4
+    head = 1 << (RW.bit_length() - 1)
+    tail = triton.next_power_of_2(RW - head) if RW > head else 0
+    grid = (min(triton.cdiv(n, rows_per_program), max_programs or n),)
+    _copy_rows_kernel[grid](src.view(torch.int32), rows, dst.view(torch.int32), n, RW=RW, HEAD=head, TAIL=tail,
+                            ROWS=rows_per_program, num_warps=num_warps)
+    return dst
+
+
+def host_copy_rows(src, rows, dst, **kw):
+    """dst[i] = src[rows[i]] (uint8 rows as stored, e.g. pinned host rows -> GPU; rows [N], < 0 skipped, those dst
+    rows untouched). On CUDA (src pinned or on the GPU) and under TRITON_INTERPRET=1 one kernel reading each row
+    whole (1,088-byte int4 rows: a 1,024-byte and a 64-byte run) instead of host_gather's per-field loads; graph-
+    capturable, no host sync. kw: rows_per_program, num_warps, max_programs."""
+    if _use_triton(dst):
+        return host_copy_rows_triton(src, rows, dst, **kw)
+    return host_copy_rows_ref(src, rows, dst)
 
 
 def host_scatter_rows_triton(dst, slots, src, counter=None, *, rows_per_program=8, num_warps=4):
