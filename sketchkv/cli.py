@@ -64,9 +64,13 @@ def _quantize(args) -> None:
     print(f"wrote {args.dst}: {r['layers']} int4 layers ({args.method}, group {args.group_size}, "
           f"{'asym' if args.asym else 'sym'}){sizes}")
     if args.kl_samples:
-        kl = weight_kl(args.src, args.dst, samples=args.kl_samples, device=args.device, texts=args.calibration)
+        kl = weight_kl(args.src, args.dst, samples=args.kl_samples, device=args.device, texts=args.calibration,
+                       eval_texts=args.kl_text)
         print(f"KL(bf16 || W4A16) {kl['kl_mean']:.5f} nats/token (p99 {kl['kl_p99']:.4f}), top-1 agreement "
               f"{kl['top1']:.4f} over {kl['tokens']} tokens ({kl['samples']} windows of {kl['text']})")
+        if kl["calibration"] and args.method == "autoround" and args.iters:
+            print("note: scored on the text autoround calibrated on (in-sample, optimistic); pass --kl-text FILE ... "
+                  "for held-out text")
 
 
 def _serve(args) -> int:
@@ -290,9 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
     q.add_argument("--asym", action="store_true", help="a zero point per group (default: symmetric)")
     q.add_argument("--calibration", nargs="*", help="text files: autoround's calibration, and the KL report's text "
-                                                     "when SRC has no heldout.json (default: SRC/calibration/)")
+                                                     "when there is no --kl-text or SRC/heldout.json (default: "
+                                                     "SRC/calibration/)")
     q.add_argument("--iters", type=int, default=200, help="autoround: tuning iterations per block (0 = RTN)")
     q.add_argument("--kl-samples", type=int, default=4, help="held-out windows for the KL report (0: skip it)")
+    q.add_argument("--kl-text", nargs="*", help="text files the KL report scores (default: SRC/heldout.json, else "
+                                                "the calibration text)")
     q.add_argument("--device", default="auto", help="device of the KL report's two engines")
     q.set_defaults(func=_quantize)
     s = _sub(sub, "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")

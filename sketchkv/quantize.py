@@ -230,25 +230,32 @@ def _calibration_texts(model: str, paths: list[str] | None, n: int = 64) -> list
 # ---- the KL report ----------------------------------------------------------------------------------------
 
 def weight_kl(bf16: str, int4: str, samples: int = 4, prompt: int = 448, continuation: int = 64,
-              device: str = "auto", dtype: str = "auto", texts: list[str] | None = None) -> dict:
+              device: str = "auto", dtype: str = "auto", texts: list[str] | None = None,
+              eval_texts: list[str] | None = None) -> dict:
     """Mean KL(bf16 || W4A16) in nats per token and top-1 agreement, teacher-forced over the same held-out tokens
-    (the bf16 model's heldout.json files, else the `texts` files, else its calibration/ folder): `samples` windows
-    of `prompt` tokens, the next `continuation` tokens scored (eval/kld.py's arithmetic)."""
+    (the `eval_texts` files, else the bf16 model's heldout.json files, else the `texts` files, else its
+    calibration/ folder): `samples` windows of `prompt` tokens, the next `continuation` tokens scored (eval/kld.py's
+    arithmetic). The result's "text" names the source; "calibration" is True when it was the calibration text (for
+    a calibrated method such as autoround, an in-sample score)."""
     import numpy as np
 
     from sketchkv.eval import common as C
     from sketchkv.eval.kld import compare
     from sketchkv.llm import LLM
     n = samples * (prompt + continuation + 1)
+    calibration = False
     try:
+        if eval_texts:
+            raise SketchKVError("eval_texts given")
         ids = C.heldout_token_ids(bf16, n)
         source = f"{bf16}/heldout.json"
     except SketchKVError:
         tok = C.load_tokenizer(bf16)
         ids = []
-        for text in _calibration_texts(bf16, texts):
+        for text in _calibration_texts(bf16, eval_texts or texts):
             ids += tok.encode(text).ids
-        source = "the calibration text"
+        calibration = not eval_texts
+        source = "the calibration text" if calibration else f"{len(eval_texts)} held-out text file(s)"
         if len(ids) < n:
             raise SketchKVError(f"only {len(ids)} tokens of text for the KL, need {n}") from None
     step = prompt + continuation + 1
@@ -269,4 +276,4 @@ def weight_kl(bf16: str, int4: str, samples: int = 4, prompt: int = 448, continu
     kl_all = np.concatenate(kls)
     return {"kl_mean": float(kl_all.mean()), "kl_p99": float(np.quantile(kl_all, 0.99)),
             "top1": float(np.concatenate(top1).mean()), "tokens": int(kl_all.size), "samples": samples,
-            "text": source}
+            "text": source, "calibration": calibration}

@@ -349,6 +349,13 @@ def test_weight_kl_is_small_for_int4_and_zero_for_the_same_model(tmp_path):
     kl = weight_kl(src, str(tmp_path / "int4"), samples=1, prompt=64, continuation=16, device="cpu", dtype="float32")
     assert same["kl_mean"] < 1e-9 and same["top1"] == 1.0
     assert 0 < kl["kl_mean"] < 0.5 and kl["tokens"] == 16
+    assert kl["calibration"] and kl["text"] == "the calibration text"
+    # held-out text of its own (what a calibrated method must be scored on): other tokens, another KL
+    other = tmp_path / "other.txt"
+    other.write_text("for i in range(10):\n    print(i * i, end=' ')\n" * 300)
+    held = weight_kl(src, str(tmp_path / "int4"), samples=1, prompt=64, continuation=16, device="cpu",
+                     dtype="float32", eval_texts=[str(other)])
+    assert not held["calibration"] and held["text"] == "1 held-out text file(s)" and held["kl_mean"] != kl["kl_mean"]
 
 
 # ---- the -w4a16 presets ---------------------------------------------------------------------------------------
