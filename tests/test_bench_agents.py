@@ -287,7 +287,8 @@ def test_kernel_kinds_of_the_gpu_breakdown():
     assert kernel_kind("chunk_gated_delta_rule_fwd_kernel_h") == "gdn (fla)"
     assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm (weights)"
     assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "index / gather (torch)"
-    assert kernel_kind("_host_gather_kernel") == "host gather (PCIe)"
+    assert kernel_kind("_host_gather_kernel") == kernel_kind("_host_copy_rows_kernel") == "host gather (PCIe)"
+    assert kernel_kind("_copy_rows_kernel") == "other"   # the hot-buffer admit's row copies (GPU to GPU)
     assert kernel_kind("something new") == "other"
 
 

@@ -114,7 +114,7 @@ KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
     ("sketch score", ("_sketch_score", "_query_words", "_head_lse", "_lse_finish", "_softmax_combine")),
     ("top-k", ("_count_kernel", "_compact_kernel", "_radix_", "topk", "radixSort", "RadixSort", "bitonic")),
     ("attention", ("_decode_split", "_decode_reduce", "sparse_attention", "flash")),
-    ("host gather (PCIe)", ("_host_gather",)),
+    ("host gather (PCIe)", ("_host_gather", "_host_copy_rows")),
     ("scatter rows", ("_scatter_rows",)),
     ("rmsnorm", ("_rms_norm",)),
     ("gemm (weights)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitKreduce", "_w4a16", "_dequant_kernel")),
@@ -337,6 +337,7 @@ def measure(engine, steps: int) -> dict:
     if tier is not None:
         pairs += [(tier, "gather", reg.wrap(tier.gather, "tier_gather")),
                   (tier.store, "gather", reg.wrap(tier.store.gather, "pcie_misses")),
+                  (tier.store, "copy_rows", reg.wrap(tier.store.copy_rows, "pcie_misses")),
                   (tier, "write", reg.wrap(tier.write, "tier_write")),
                   (tier.hot, "admit", reg.wrap(tier.hot.admit, "tier_write"))]
     graphs = dict(runner.graphs)

@@ -241,7 +241,7 @@ if triton is not None:
             tl.atomic_add(cnt_ptr, tl.sum((s >= 0).to(tl.int64), 0) * (RW * 4))
 
     @triton.jit
-    def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, RW: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+    def _host_copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, RW: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
                           ROWS: tl.constexpr):
         """dst[i] = src[rows[i]], rows of RW int32 words read whole: the first HEAD words (a power of two) as one
         unmasked run per row (16-byte vectors), the TAIL words after them (TAIL a power of two >= RW - HEAD) masked;
@@ -355,7 +355,7 @@ def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, ma
     head = 1 << (RW.bit_length() - 1)
     tail = triton.next_power_of_2(RW - head) if RW > head else 0
     grid = (min(triton.cdiv(n, rows_per_program), max_programs or n),)
-    _copy_rows_kernel[grid](src.view(torch.int32), rows, dst.view(torch.int32), n, RW=RW, HEAD=head, TAIL=tail,
+    _host_copy_rows_kernel[grid](src.view(torch.int32), rows, dst.view(torch.int32), n, RW=RW, HEAD=head, TAIL=tail,
                             ROWS=rows_per_program, num_warps=num_warps)
     return dst
 
