@@ -243,13 +243,14 @@ def weight_kl(bf16: str, int4: str, samples: int = 4, prompt: int = 448, continu
     from sketchkv.eval.kld import compare
     from sketchkv.llm import LLM
     n = samples * (prompt + continuation + 1)
-    calibration = False
-    try:
-        if eval_texts:
-            raise SketchKVError("eval_texts given")
-        ids = C.heldout_token_ids(bf16, n)
-        source = f"{bf16}/heldout.json"
-    except SketchKVError:
+    ids, calibration = None, False
+    if not eval_texts:
+        try:
+            ids = C.heldout_token_ids(bf16, n)
+            source = f"{bf16}/heldout.json"
+        except SketchKVError:
+            pass
+    if ids is None:
         tok = C.load_tokenizer(bf16)
         ids = []
         for text in _calibration_texts(bf16, eval_texts or texts):
@@ -257,7 +258,7 @@ def weight_kl(bf16: str, int4: str, samples: int = 4, prompt: int = 448, continu
         calibration = not eval_texts
         source = "the calibration text" if calibration else f"{len(eval_texts)} held-out text file(s)"
         if len(ids) < n:
-            raise SketchKVError(f"only {len(ids)} tokens of text for the KL, need {n}") from None
+            raise SketchKVError(f"only {len(ids)} tokens of text for the KL, need {n}")
     step = prompt + continuation + 1
     windows = [ids[i * step:(i + 1) * step] for i in range(samples)]
     prompts = [w[:prompt] for w in windows]

@@ -241,8 +241,8 @@ if triton is not None:
             tl.atomic_add(cnt_ptr, tl.sum((s >= 0).to(tl.int64), 0) * (RW * 4))
 
     @triton.jit
-    def _host_copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, RW: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
-                          ROWS: tl.constexpr):
+    def _host_copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, RW: tl.constexpr, HEAD: tl.constexpr,
+                               TAIL: tl.constexpr, ROWS: tl.constexpr):
         """dst[i] = src[rows[i]], rows of RW int32 words read whole: the first HEAD words (a power of two) as one
         unmasked run per row (16-byte vectors), the TAIL words after them (TAIL a power of two >= RW - HEAD) masked;
         rows < 0 skipped. Programs loop over tiles of ROWS rows (the grid may be capped, see host_gather_triton)."""
@@ -356,7 +356,7 @@ def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, ma
     tail = triton.next_power_of_2(RW - head) if RW > head else 0
     grid = (min(triton.cdiv(n, rows_per_program), max_programs or n),)
     _host_copy_rows_kernel[grid](src.view(torch.int32), rows, dst.view(torch.int32), n, RW=RW, HEAD=head, TAIL=tail,
-                            ROWS=rows_per_program, num_warps=num_warps)
+                                 ROWS=rows_per_program, num_warps=num_warps)
     return dst
 
 
