@@ -220,19 +220,23 @@ class HostKVStore:
         """The miss path: host_gather from this layer's rows (after its pending writes, GPU-side),
         counting the bytes read (rows [N]: a full row per pick; [Hkv, N]: a head record). count=False: the
         caller counts them (the tier's decode step: its misses, already counted by the hot lookup)."""
-        if dst_k.is_cuda and self._events[layer] is not None and not torch.cuda.is_current_stream_capturing():
-            self.wait(layer)  # (inside a graph capture the writes are on the captured stream: ordered)
+        self._after_writes(layer, dst_k)
         host_gather(self.rows(layer), rows, dst_k, dst_v, self.fmt, dst_rows, sort=sort, segments=segments, **kw)
         if count:
             per_pick = self.head_bytes if rows.dim() == 2 else self.row_bytes
             self.counters.add("pcie_read_bytes", (rows >= 0).sum() * per_pick)
         return dst_k, dst_v
 
+    def _after_writes(self, layer: int, dst: torch.Tensor) -> None:
+        """A read into dst (on a GPU) waits for the layer's pending host writes (inside a graph capture they are on
+        the captured stream: already ordered)."""
+        if dst.is_cuda and self._events[layer] is not None and not torch.cuda.is_current_stream_capturing():
+            self.wait(layer)
+
     def copy_rows(self, layer: int, rows: torch.Tensor, dst: torch.Tensor, **kw) -> torch.Tensor:
         """This layer's rows `rows` [N] (< 0 skipped) as stored into dst uint8 [N, row_bytes] (host_copy_rows, after
         the layer's pending writes); not counted (the tier's decode step counts its misses)."""
-        if dst.is_cuda and self._events[layer] is not None and not torch.cuda.is_current_stream_capturing():
-            self.wait(layer)
+        self._after_writes(layer, dst)
         return host_copy_rows(self.rows(layer), rows, dst, **kw)
 
     def stats(self) -> TierStats:

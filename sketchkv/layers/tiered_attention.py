@@ -46,6 +46,17 @@ class TieredKV:
     layer: int      # index among the tier's layers
     tier = None     # HostTier, bound by the model runner (k_cache / v_cache stay empty)
 
+    @property
+    def last_indices(self):
+        """(idx, counts) of the last decode step (tests and stats); after a step in groups its parts are joined here,
+        when read, not by two concatenations per layer in every step (they would be CUDA-graph kernels)."""
+        picks = self._last_picks
+        return tuple(torch.cat(x) for x in zip(*picks)) if isinstance(picks, list) else picks
+
+    @last_indices.setter
+    def last_indices(self, value):   # (idx, counts), a list of per-group (idx, counts), or None
+        self._last_picks = value
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         ctx = get_context()
         self.tier.write(self.layer, ctx.slot_mapping, ctx.resident_rows, k, v, off_path=plain_decode(ctx))
@@ -120,7 +131,7 @@ class TieredKV:
                                                  state_slots[a:b]))
             picks.append((idx, counts))
         self.tier.join_reads()
-        self.last_indices = tuple(torch.cat(x) for x in zip(*picks))
+        self.last_indices = picks
         outs, misses, records = zip(*done)
         self.tier.admit(self.layer, pids, list(misses), list(records), graph)
         return torch.cat(outs)

@@ -343,7 +343,7 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, s
 
 
 def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, max_programs=None):
-    R, rb = src.shape
+    rb = src.shape[1]
     assert src.dtype == dst.dtype == torch.uint8 and dst.shape == (rows.shape[0], rb) and rb % 4 == 0
     assert src.is_contiguous() and dst.is_contiguous() and rows.dim() == 1 and rows.is_contiguous()
     if dst.is_cuda and not torch.cuda.is_current_stream_capturing():

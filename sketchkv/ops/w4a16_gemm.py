@@ -236,6 +236,9 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[device.index]
 
 
+_CAPABILITY: dict = {}
+
+
 def _tma_ok(N: int, device: torch.device) -> bool:
     """TMA needs sm_90+, Triton's host descriptors and 16-byte rows of words (N % 4 == 0)."""
     if device.type != "cuda" or TensorDescriptor is None or N % 4:
@@ -243,9 +246,6 @@ def _tma_ok(N: int, device: torch.device) -> bool:
     if device.index not in _CAPABILITY:
         _CAPABILITY[device.index] = torch.cuda.get_device_capability(device)
     return _CAPABILITY[device.index] >= (9, 0)
-
-
-_CAPABILITY: dict = {}
 
 
 def config_for(M: int, N: int, K: int, device: torch.device) -> Config:
