@@ -171,6 +171,9 @@ def run_interpreter_tests(test_file: str, already_interpreted: bool) -> None:
         assert " passed" in last and "skipped" not in last, r.stdout[-3000:]
         if os.path.exists(launches):  # fla's own kernels (test_ops_gdn.py) are not logged
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            # the script's own directory (tests/) comes first on its path, not the checkout: without this, an
+            # installed sketchkv of another checkout would be compiled against this one's launches
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
             c = subprocess.run([sys.executable, os.path.join(root, "tests", "triton_compile_check.py"), launches],
                                env=env, cwd=root, capture_output=True, text=True, timeout=900)
             print(c.stdout)

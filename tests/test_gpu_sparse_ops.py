@@ -6,7 +6,8 @@ import torch
 from sketchkv.ops.sketch import (quantize_int4, quantize_query_int8, query_words, query_words_ref, sketch_score,
                                  sketch_score_dot, sketch_score_dp4a, sketch_score_ref)
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
-from sketchkv.ops.topk import topk_positions, topk_ref
+from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk_positions, topk_positions_torch,
+                               topk_positions_triton, topk_ref)
 from test_sparse import _abs_sketch, dot_error_bound
 
 pytestmark = pytest.mark.gpu
@@ -122,6 +123,22 @@ def test_gpu_topk_positions_250k_same_set_as_reference():
     ref = torch.where(s.gather(-1, ref) > float("-inf"), ref, SENTINEL)
     assert torch.equal(got.long(), torch.sort(ref, -1).values)
     assert torch.equal(topk_positions(s, k, SENTINEL), got)  # deterministic
+
+
+def test_gpu_topk_radix_paths_equal_torch():
+    # the engine's 7 launches (count and compaction read the k-th value out of the radix histograms), the same with
+    # the k-th value from kth_largest_triton / torch.topk, against the PyTorch version: 4 and 8 rows (a read group,
+    # all 8 agents), a tie-heavy row, a short row, and 32 rows (per-KV-head selection)
+    torch.manual_seed(21)
+    for rows in (4, 8, 32):
+        s = torch.randn(rows, 250_000, device="cuda")
+        s[:, :64] = float("-inf")
+        s[0, 7000:] = float("-inf")
+        s[1] = torch.round(s[1] * 2)
+        ref = topk_positions_torch(s, 2048, SENTINEL)
+        assert torch.equal(topk_positions(s, 2048, SENTINEL), ref), rows
+        assert torch.equal(topk_positions_triton(s, 2048, SENTINEL, kth=kth_largest_triton), ref), rows
+        assert torch.equal(kth_largest_triton(s, 2048), kth_largest_torch(s, 2048)), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -5,14 +5,14 @@
 - fla on CPU: its decode kernels and conv kernels run under TRITON_INTERPRET=1 (the chunk kernel does
   not). Triton picks the interpreter when a kernel is decorated, i.e. at fla's import, so the
   `test_interp_*` tests run only in a child `python -m pytest -k interp_` started with the variable
-  set (test_fla_interpreter_child). The child patches two triton-3.6 interpreter gaps: int() of a
+  set (test_fla_interpreter_child, which then compiles our kernels' launches for sm_90 on the CPU:
+  tests/triton_compile_check.py). The child patches two triton-3.6 interpreter gaps: int() of a
   1-element array (an error from numpy 2.4 on) and autotuning, which needs a GPU to time configs.
 - `gpu` tests: real sizes, bf16, fla vs the fp32 references, and CUDA-graph capture of the decode ops.
 """
 import importlib.metadata
 import inspect
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,6 +26,8 @@ from sketchkv.ops.gated_delta_rule import (gated_delta_rule_decode, gated_delta_
                                            gated_delta_rule_rows,
                                            gated_delta_rule_rows_ref, gated_delta_rule_varlen,
                                            gated_delta_rule_varlen_ref)
+from sketchkv.ops.gdn_gates import gdn_gates, gdn_gates_ref
+from conftest import run_interpreter_tests
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 try:
@@ -94,6 +96,18 @@ def gdn_inputs(T, Hk, Hv, Dk, Dv, dtype=torch.float32, device="cpu", seed=0, num
     states = torch.randn(num_slots, Hv, Dk, Dv, generator=g) * 0.5
     to = lambda t: t.to(device=device, dtype=dtype)
     return to(q), to(k), to(v), gate.to(device), to(beta), states.to(device)
+
+
+def raw_gates(T, Hv, dtype=torch.float32, device="cpu", seed=0):
+    """The layer's raw gates: a, b [T, Hv] strided column views of one wider in_proj output (linear_split),
+    A_log [Hv] in fp32, dt_bias [Hv] in the model dtype; head 0's a + dt_bias above softplus's threshold (20)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.randn(T, 2 * Hv + 9, generator=gen) * 3
+    out[:, 5 + Hv] = 25.0
+    out = out.to(device=device, dtype=dtype)
+    A_log = torch.empty(Hv).uniform_(0.01, 16, generator=gen).log().to(device)
+    dt_bias = torch.randn(Hv, generator=gen).to(device=device, dtype=dtype)
+    return out[:, 5 + Hv:5 + 2 * Hv], out[:, 5:5 + Hv], A_log, dt_bias
 
 
 def untouched(states, before, slots):
@@ -289,12 +303,8 @@ def test_gdn_positions_ref_is_stepwise_decode():
 @pytest.mark.skipif(INTERP, reason="already inside the interpreter child")
 @pytest.mark.skipif(not HAS_FLA, reason="fla-core is not installed: the fla fast paths cannot be checked on CPU")
 def test_fla_interpreter_child():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-k", "interp_", "-p", "no:cacheprovider"],
-                       env=env, capture_output=True, text=True, timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    assert "3 passed" in out and "skipped" not in out, out[-4000:]  # the child must really run them
+    # also compiles our kernels' logged launches for sm_90 (fla's are not logged)
+    run_interpreter_tests(__file__, INTERP)
 
 
 def rows_decode(q, k, v, g, beta, states, slots):
@@ -402,6 +412,33 @@ def test_interp_gdn_rows_kernel():
     assert torch.equal(o_rows[upto], o_none[upto]) and torch.equal(st_rows, st_none)
 
 
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_gdn_decode_raw_gates(dtype):
+    """Plain decode with the gates computed inside the recurrence from a, b (strided views of in_proj's output):
+    bitwise gdn_gates + the unfused kernel (outputs and states), and close to the references."""
+    Hk, Hv, Dk, Dv = 2, 4, 16, 8
+    q, k, v, _, _, states = gdn_inputs(3, Hk, Hv, Dk, Dv, dtype)
+    gates = raw_gates(3, Hv, dtype)
+    slots = torch.tensor(SLOTS)
+    before, st_unfused, st_ref = states.clone(), states.clone(), states.clone()
+    # the launch gated_delta_rule_decode makes on CUDA (with CPU tensors it takes the reference path)
+    o = gated_delta_rule_rows(q, k, v, None, None, states, slots, None, 1, write=True, gates=gates)
+    g, beta = gdn_gates(*gates)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    o_unfused = gated_delta_rule_rows(q, k, v, g, beta, st_unfused, slots, None, 1, write=True)
+    assert torch.equal(o, o_unfused) and torch.equal(states, st_unfused)
+    assert untouched(states, before, SLOTS)
+    # the CPU reference path: gdn_gates_ref, then the reference step
+    o_ref = gated_delta_rule_decode(q, k, v, None, None, st_ref, slots, gates=gates)
+    assert torch.equal(o_ref, gated_delta_rule_decode_ref(q, k, v, *gdn_gates_ref(*gates), before, slots))
+    assert torch.equal(st_ref, before)  # decode_ref stepped `before` in place
+    # bf16: the interpreter rounds beta to bf16 by truncation (the reference to nearest): one bf16 step apart
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(o, o_ref, **tol)
+    torch.testing.assert_close(states, st_ref, **tol)
+
+
 # --- GPU, real sizes ------------------------------------------------------------------------------
 # Qwen3-Next-80B GDN layer: Hk=16, Hv=48, Dk=Dv=128, conv over q|k|v = 2*16*128 + 48*128 channels, W=4.
 
@@ -473,6 +510,18 @@ def test_gpu_gdn_decode():
     assert e_glob < 5e-3 and e_row < 1e-2, (e_glob, e_row)
     torch.testing.assert_close(states, st_ref, atol=1e-4, rtol=1e-4)
     assert untouched(states, st_ref, GPU_SLOTS)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_gdn_decode_raw_gates_is_unfused():
+    """Decode with the gates computed in the recurrence == gdn_gates + decode, bitwise, at the real shape (bf16)."""
+    q, k, v, _, _, states = gdn_inputs(8, HK, HV, DK, DV, torch.bfloat16, "cuda", num_slots=16)
+    gates = raw_gates(8, HV, torch.bfloat16, "cuda")
+    st_unfused, slots = states.clone(), torch.tensor(GPU_SLOTS, device="cuda")
+    o = gated_delta_rule_decode(q, k, v, None, None, states, slots, gates=gates)
+    o_unfused = gated_delta_rule_decode(q, k, v, *gdn_gates(*gates), st_unfused, slots)
+    assert torch.equal(o, o_unfused) and torch.equal(states, st_unfused)
 
 
 @pytest.mark.gpu

@@ -42,17 +42,36 @@ def test_interp_kernel_matches_reference(kind, dtype):
 def test_interp_gated_kernel_reads_a_strided_gate_in_place():
     """The GDN output gate z is a [T, Hv, Dv] view of in_proj's output (rows padded by q/k/v/b/a columns): the
     kernel reads it in place (no copy) and gives what it gives on a contiguous copy."""
-    from sketchkv.ops.rmsnorm import _gate_rows
+    from sketchkv.ops.rmsnorm import _head_rows
     torch.manual_seed(3)
     T, H, D = 4, 3, 32
     fused = torch.randn(T, 40 + H * D + 8)
     z = fused[:, 40:40 + H * D].unflatten(-1, (H, D))
-    g, st, sh, gh = _gate_rows(z, D)
+    g, st, sh, gh = _head_rows(z, D)
     assert g.data_ptr() == z.data_ptr() and (st, sh, gh) == (fused.stride(0), D, H)
     x, w = torch.randn(T * H, D) * 3, torch.randn(D)
     out = rms_norm(x.view(T, H, D), w, 1e-6, GATED, z)
     torch.testing.assert_close(out, rms_norm(x.view(T, H, D), w, 1e-6, GATED, z.contiguous()), rtol=0, atol=0)
     torch.testing.assert_close(out, rms_norm_ref(x.view(T, H, D), w, 1e-6, GATED, z), rtol=1e-5, atol=1e-5)
+
+
+@needs_interp
+@pytest.mark.parametrize("kind", [ZERO_CENTERED, PLAIN])
+def test_interp_kernel_reads_strided_head_rows_in_place(kind):
+    """Attention's q and k norms: [T, H, D] views of the fused qkv output (q also interleaved with its gate) are
+    read in place, row (t, h) by its two strides, and normed as their contiguous copies are."""
+    torch.manual_seed(4)
+    T, H, Hkv, D = 5, 3, 2, 32
+    qkv = torch.randn(T, 2 * H * D + 2 * Hkv * D) * 3
+    qg, k, _ = qkv.split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
+    q = qg.view(T, H, 2 * D).chunk(2, dim=-1)[0]
+    w = torch.randn(D)
+    for x in (q, k.view(T, Hkv, D)):
+        assert not x.is_contiguous()
+        out = rms_norm(x, w, 1e-6, kind)
+        assert out.shape == x.shape
+        torch.testing.assert_close(out, rms_norm(x.contiguous(), w, 1e-6, kind), rtol=0, atol=0)
+        torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6, kind), rtol=1e-5, atol=1e-5)
 
 
 @needs_interp

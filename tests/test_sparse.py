@@ -18,7 +18,7 @@ from sketchkv.ops.selection import SENTINEL, compose_selection, compose_selectio
 from sketchkv.ops.sketch_base import apply_sketch_base, row_slots, sketch_base_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk, topk_positions, topk_positions_torch,
-                               topk_ref)
+                               topk_positions_triton, topk_ref)
 from conftest import run_interpreter_tests
 
 needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
@@ -71,6 +71,8 @@ def test_interp_topk_positions_kernel_matches_torch():
     w[1, 1500:] = float("-inf")
     for k in (3000, 1):
         assert torch.equal(topk_positions(w, k, 7), topk_positions_torch(w, k, 7))
+        # the kernel-per-round path (the GPU's fallback when the one-kernel grid does not fit the SMs)
+        assert torch.equal(topk_positions_triton(w, k, 7, kth=kth_largest_triton), topk_positions_torch(w, k, 7))
 
 
 @needs_interp

@@ -303,13 +303,13 @@ def test_tier_stats_add_up(ckpt_with_basis):
     picks = prefix_rows = 0
     orig_gather, orig_prefix, orig_rows = tier.gather, tier.read_prefix, tier.read_rows
 
-    def gather(layer, pos, counts, block_tables, seq_lens, state_slots):
+    def gather(layer, pos, counts, block_tables, seq_lens, state_slots, **out):
         nonlocal picks
         n = seq_lens.long()[:, None]
         p = pos.long()
         ok = torch.arange(p.shape[1])[None] < counts.long()[:, None]
         picks += int((ok & (p >= 4) & (p < torch.clamp(n - 8, min=4))).sum())
-        return orig_gather(layer, pos, counts, block_tables, seq_lens, state_slots)
+        return orig_gather(layer, pos, counts, block_tables, seq_lens, state_slots, **out)
 
     def read_prefix(layer, block_table, n, dtype):
         nonlocal prefix_rows

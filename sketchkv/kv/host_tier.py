@@ -241,20 +241,25 @@ class HostTier:
         return self.key_base[layer](k, slots, -1, out=torch.empty(k.shape, dtype=torch.float32, device=k.device))
 
     def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, state_slots: torch.Tensor):
+               seq_lens: torch.Tensor, state_slots: torch.Tensor, miss_out: torch.Tensor | None = None,
+               rec_out: torch.Tensor | None = None):
         """pos [B, N] selected positions (ascending, SENTINEL-padded; the first counts[b] valid) ->
         k, v [B, Np, Hkv, D] (Np = N rounded up to ATTN_BLOCK; row j: position pos[b, j]), miss
         keys [B, Np] (host slot of each row read from host memory, -1 elsewhere: what to admit) and
-        their host records [B, Np, row_bytes] (miss rows only)."""
+        their host records [B, Np, row_bytes] (miss rows only). miss_out / rec_out: contiguous tensors of those
+        shapes to write them into (TieredKV.decode_in_groups: a group's rows of whole-batch buffers)."""
         B, N = pos.shape
         Np = -(-N // ATTN_BLOCK) * ATTN_BLOCK
         k, v, miss, hit = compose_rows(pos, counts, seq_lens, state_slots, block_tables, self.hot.map[layer],
                                        self.hot.ref[layer], self.res_k[layer], self.res_v[layer],
                                        self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent,
                                        ring=self.ring, width=self.width, block_size=self.block_size,
-                                       dump_row=self.dump_row, Np=Np)
+                                       dump_row=self.dump_row, Np=Np, miss=miss_out)
         kf, vf = k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D)
-        rec = torch.empty(B * Np, self.store.row_bytes, dtype=torch.uint8, device=k.device)
+        if rec_out is None:
+            rec = torch.empty(B * Np, self.store.row_bytes, dtype=torch.uint8, device=k.device)
+        else:
+            rec = rec_out.view(B * Np, self.store.row_bytes)
         # No sort by address: the picks are in position order, i.e. ascending within each 64-row block, the
         # order the block table gives across blocks (ascending for a sequence's fresh blocks). The segmented
         # sort and its permutation cost ~25 us per layer at 8 x 250K (H200 run 48); what order across blocks
@@ -273,14 +278,11 @@ class HostTier:
         return k, v, miss, rec.view(B, Np, -1)
 
     def admit(self, layer: int, pids, miss: torch.Tensor, records: torch.Tensor, graph: bool = False) -> torch.Tensor:
-        """After the step's attention: the misses (gather's miss keys and records) into the hot buffer. With the
-        admit stream the work is only enqueued there; the pool rows returned are valid after join(). miss and records
-        may be lists of consecutive groups' parts (TieredKV.decode_in_groups): joined on the side stream."""
+        """After the step's attention: the misses (gather's miss keys [B, Np] and records [B, Np, row_bytes]) into the
+        hot buffer. With the admit stream the work is only enqueued there; the pool rows returned are valid after
+        join()."""
         cap = self.max_part_rows if graph else None
         with self.side(pids, miss, records) as keep:
-            if isinstance(miss, list):
-                miss, records = torch.cat(miss), torch.cat(records)
-                keep += (miss, records)
             rows = self.hot.admit(layer, pids, miss, records, max_cap=cap)
             keep.append(rows)
         return rows

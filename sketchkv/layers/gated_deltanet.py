@@ -65,9 +65,9 @@ class GatedDeltaNet(nn.Module):
                                         [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads])
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         w = self.conv1d.weight.squeeze(1)
         if ctx.verify is not None:
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
             return self.out_proj(self.forward_verify(qkv, z, g, beta, w, ctx).reshape(T, self.value_dim))
         if ctx.is_decode:
             qkv = causal_conv1d_decode(qkv, w, None, self.conv_state, ctx.state_slots)
@@ -77,9 +77,11 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
-        if ctx.is_decode:
-            o = gated_delta_rule_decode(q, k, v, g, beta, self.ssm_state, ctx.state_slots)
+        if ctx.is_decode:  # the recurrence computes the gates from a, b itself (no gdn_gates launch)
+            o = gated_delta_rule_decode(q, k, v, None, None, self.ssm_state, ctx.state_slots,
+                                        gates=(a, b, self.A_log, self.dt_bias))
         else:
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
             o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state, ctx.state_slots, ctx.cu_seqlens_q)
         o = self._gated_norm(o, z)
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -103,38 +103,47 @@ class TieredKV:
         self.tier.admit(self.layer, pids, miss, records, graph)
         return out
 
-    def read_and_attend(self, q, idx, counts, block_tables, seq_lens, state_slots, groups=None):
+    def read_and_attend(self, q, idx, counts, block_tables, seq_lens, state_slots, groups=None, out=None, miss=None,
+                        records=None):
         """The picks idx [B', 1, N] of the rows the tier reads (resident rows, hot buffer, host misses) into a K/V
-        scratch, attended by q (row_groups: see decode) -> output, miss keys [B', Np] and their host records."""
+        scratch, attended by q (row_groups: see decode) -> output, miss keys [B', Np] and their host records
+        [B', Np, row_bytes]; out / miss / records: where to write them (a group's slices of whole-batch buffers)."""
         k, v, miss, records = self.tier.gather(self.layer, idx[:, 0], counts if groups is None else counts[groups[1]],
-                                               block_tables, seq_lens, state_slots)
+                                               block_tables, seq_lens, state_slots, miss_out=miss, rec_out=records)
         B, Np = miss.shape
         nb = Np // ATTN_BLOCK
         out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                      v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                     None, counts, self.scale, row_groups=groups)   # row b: its own nb blocks
+                                     None, counts, self.scale, out=out, row_groups=groups)   # row b: its own nb blocks
         return out, miss, records
 
     def decode_in_groups(self, parts, q, sq, block_tables, seq_lens, state_slots, pids, max_len, graph):
         """Decode (no verification) with the batch's sequences in `parts` groups: each group's selection is scored on
         the current stream right after the previous group's, and its rows are read and attended on the tier's read
-        stream as soon as its picks exist, so one group's PCIe reads overlap the next group's scoring. One admit
-        after the join takes every group's misses (one CLOCK kernel for the batch, as without groups). Every tensor
-        a stream reads stays referenced here until the join: no allocation of the other stream can reuse it early."""
+        stream as soon as its picks exist, so one group's PCIe reads overlap the next group's scoring. Each group
+        writes its output, miss keys and records into its rows of whole-batch buffers (no concatenation kernels),
+        and one admit after the join takes every group's misses (one CLOCK kernel for the batch, as without groups).
+        The buffers are allocated on the current stream and stay referenced here until the join (then the admit's
+        side stream keeps miss and records), so no allocation of another stream can reuse them early."""
         B = q.shape[0]
         cuts = [B * i // parts for i in range(parts + 1)]
-        picks, done = [], []
+        out = q.new_empty(q.shape)
+        miss = records = None
+        picks = []
         for a, b in zip(cuts, cuts[1:]):
             idx, counts = self.select(sq[a:b], block_tables[a:b], seq_lens[a:b], max_len)
+            if miss is None:   # the picks' width depends on max_len only: every group's is the first's
+                Np = -(-idx.shape[-1] // ATTN_BLOCK) * ATTN_BLOCK
+                miss = torch.empty(B, Np, dtype=torch.int64, device=q.device)
+                records = torch.empty(B, Np, self.tier.store.row_bytes, dtype=torch.uint8, device=q.device)
             with self.tier.reading():
-                done.append(self.read_and_attend(q[a:b], idx, counts, block_tables[a:b], seq_lens[a:b],
-                                                 state_slots[a:b]))
+                self.read_and_attend(q[a:b], idx, counts, block_tables[a:b], seq_lens[a:b], state_slots[a:b],
+                                     out=out[a:b], miss=miss[a:b], records=records[a:b])
             picks.append((idx, counts))
         self.tier.join_reads()
         self.last_indices = picks
-        outs, misses, records = zip(*done)
-        self.tier.admit(self.layer, pids, list(misses), list(records), graph)
-        return torch.cat(outs)
+        self.tier.admit(self.layer, pids, miss, records, graph)
+        return out
 
 
 class TieredAttention(TieredKV, SparseAttention):

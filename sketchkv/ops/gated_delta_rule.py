@@ -5,6 +5,8 @@ Per value head, with a_t = exp(g_t) and q, k L2-normalised (eps 1e-6) and q scal
     o_t = h_t^T q_t
 q, k [T, Hk, Dk]; v [T, Hv, Dv] with value head h reading key head h // (Hv // Hk); g, beta [T, Hv];
 states [S, Hv, Dk, Dv] fp32 holding every slot (fla's default [K, V] layout, so the slots go to fla as is).
+Plain decode may pass in_proj's raw gate columns instead (`gates=(a, b, A_log, dt_bias)`): the kernel then
+computes g and beta as gdn_gates does, bit for bit, and the step saves gdn_gates' launch (one per GDN layer).
 
 Fast path (CUDA):
 - varlen (prefill), fla-core 0.6.0: chunk_gated_delta_rule over the flat batch with cu_seqlens; it takes [N, ...] initial states
@@ -21,6 +23,8 @@ Reference (CPU): fp32, per sequence; varlen in the chunked (UT transform) form, 
 import os
 
 import torch
+
+from sketchkv.ops.gdn_gates import gdn_gates_ref
 
 try:
     import triton
@@ -95,15 +99,16 @@ def gated_delta_rule_varlen_fla(q, k, v, g, beta, states, state_slots, cu_seqlen
 if triton is not None:
 
     @triton.jit
-    def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, h_ptr, slots_ptr, rows0_ptr, kept_ptr, T, scale,
-                         sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sb_r,
+    def _gdn_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dt_ptr, o_ptr, h_ptr, slots_ptr, rows0_ptr,
+                         kept_ptr, T, scale, sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sb_r,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, WRITE: tl.constexpr, HAS_KEPT: tl.constexpr, STORE_O: tl.constexpr,
-                         HAS_ROWS0: tl.constexpr):
+                         HAS_ROWS0: tl.constexpr, RAW_GATES: tl.constexpr):
         # program (sequence n, value head hv, BV value dims): the [Dk, BV] state tile in registers over the
         # positions t (rows rows0[n] + t; no rows0: n * T + t), read from the slot once and written at most once.
         # HAS_KEPT: positions 0..kept[n] only (the commit's replay: the state after the kept position, no outputs
-        # needed).
+        # needed). RAW_GATES: g_ptr, b_ptr are in_proj's a, b columns, and g, beta are computed here with
+        # _gdn_gates_kernel's fp32 ops in its order (beta rounded to b's dtype as it stores it): the same bits.
         n = tl.program_id(0)
         hv = tl.program_id(1)
         ov = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -127,8 +132,15 @@ if triton is not None:
             v = tl.load(v_ptr + r * sv_r + hv * sv_h + ov, mask=mv, other=0.0).to(tl.float32)
             q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
             k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-            g = tl.load(g_ptr + r * sg_r + hv).to(tl.float32)
-            beta = tl.load(b_ptr + r * sb_r + hv).to(tl.float32)
+            if RAW_GATES:
+                x = tl.load(g_ptr + r * sg_r + hv).to(tl.float32) + tl.load(dt_ptr + hv).to(tl.float32)
+                softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+                g = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus
+                b = tl.load(b_ptr + r * sb_r + hv).to(tl.float32)
+                beta = tl.sigmoid(b).to(b_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                g = tl.load(g_ptr + r * sg_r + hv).to(tl.float32)
+                beta = tl.load(b_ptr + r * sb_r + hv).to(tl.float32)
             h *= tl.exp(g)
             v = (v - tl.sum(h * k[:, None], 0)) * beta
             h += k[:, None] * v[None, :]
@@ -163,7 +175,7 @@ def gated_delta_rule_rows_ref(q, k, v, g, beta, states, slots, rows0, T: int, ke
 
 
 def gated_delta_rule_rows(q, k, v, g, beta, states, slots, rows0, T: int, kept=None, write: bool = False,
-                          store_o: bool = True):
+                          store_o: bool = True, gates=None):
     """T positions of N sequences: sequence n's positions are rows rows0[n] + t (rows0 None: n * T + t) of
     q, k [R, Hk, Dk], v [R, Hv, Dv] (strided rows and heads are fine; the head dims contiguous), g, beta [R, Hv];
     it starts from states[slots[n]] -> o [R, Hv, Dv] at the same rows (others left unset; None with store_o=False).
@@ -171,12 +183,22 @@ def gated_delta_rule_rows(q, k, v, g, beta, states, slots, rows0, T: int, kept=N
     it run.
     Decode (T = 1, write), verification (T = 1 + n, no write) and the commit's replay (kept, write, no
     outputs) run the same kernel, so a replayed state is bitwise the one verification computed.
+    gates=(a, b, A_log, dt_bias) with g = beta = None: a, b [R, Hv] are in_proj's raw gate columns (strided rows
+    fine), A_log, dt_bias [Hv]; the kernel computes g, beta bitwise as gdn_gates would (plain decode: one
+    launch fewer).
     CUDA-graph capturable."""
+    assert (gates is None) == (g is not None and beta is not None), "pass either g, beta or gates"
     if not (q.is_cuda or (triton is not None and os.environ.get("TRITON_INTERPRET") == "1")):
+        if gates is not None:
+            g, beta = gdn_gates_ref(*gates)
         o = gated_delta_rule_rows_ref(q, k, v, g, beta, states, slots, rows0, T, kept, write)
         return o if store_o else None
     R, HK, DK = q.shape
     HV, DV = v.shape[1], v.shape[2]
+    A_log = dt_bias = slots  # unused placeholders without raw gates
+    if gates is not None:
+        g, beta, A_log, dt_bias = gates  # the kernel reads a, b through the g, beta pointers
+        assert A_log.is_contiguous() and dt_bias.is_contiguous()
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and g.stride(1) == beta.stride(1) == 1
     assert states.is_contiguous() and states.dtype == torch.float32
     o = torch.empty(R, HV, DV, dtype=v.dtype, device=v.device) if store_o else v
@@ -184,11 +206,11 @@ def gated_delta_rule_rows(q, k, v, g, beta, states, slots, rows0, T: int, kept=N
     BV = 32
     if N:
         _gdn_rows_kernel[(N, HV, triton.cdiv(DV, BV))](
-            q, k, v, g, beta, o, states, slots, rows0 if rows0 is not None else slots,
+            q, k, v, g, beta, A_log, dt_bias, o, states, slots, rows0 if rows0 is not None else slots,
             kept if kept is not None else slots, T, DK ** -0.5,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
             HK=HK, HV=HV, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=BV, WRITE=write, HAS_KEPT=kept is not None,
-            STORE_O=store_o, HAS_ROWS0=rows0 is not None, num_warps=4)
+            STORE_O=store_o, HAS_ROWS0=rows0 is not None, RAW_GATES=gates is not None, num_warps=4)
     return o if store_o else None
 
 
@@ -201,9 +223,13 @@ def gated_delta_rule_varlen(q, k, v, g, beta, states, state_slots, cu_seqlens):
     return gated_delta_rule_varlen_ref(q, k, v, g, beta, states, state_slots, cu_seqlens)
 
 
-def gated_delta_rule_decode(q, k, v, g, beta, states, state_slots):
+def gated_delta_rule_decode(q, k, v, g, beta, states, state_slots, gates=None):
     """One token per sequence: q, k [N, Hk, Dk], v [N, Hv, Dv] (strided rows fine), g, beta [N, Hv] ->
-    o [N, Hv, Dv]. States updated in place. CUDA-graph capturable; states must be contiguous."""
+    o [N, Hv, Dv]. States updated in place. CUDA-graph capturable; states must be contiguous.
+    gates=(a, b, A_log, dt_bias) instead of g, beta (None): the raw gates, see gated_delta_rule_rows."""
     if q.is_cuda:
-        return gated_delta_rule_rows(q, k, v, g, beta, states, state_slots, None, 1, write=True)
+        return gated_delta_rule_rows(q, k, v, g, beta, states, state_slots, None, 1, write=True, gates=gates)
+    if gates is not None:
+        assert g is None and beta is None, "pass either g, beta or gates"
+        g, beta = gdn_gates_ref(*gates)
     return gated_delta_rule_decode_ref(q, k, v, g, beta, states, state_slots)

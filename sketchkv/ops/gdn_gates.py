@@ -2,6 +2,8 @@
 
 Unfused this is ~7 small kernels per GDN layer and decode step (48 layers in the 27B shape).
 Outputs in fp32 for g (the decay lives in log space), input dtype for beta, as transformers does.
+Plain decode does not launch this: the recurrence kernel computes the same gates from a, b itself, with
+the same ops (gated_delta_rule_rows' `gates=`); prefill and speculative verification still call it.
 """
 import os
 

@@ -36,11 +36,13 @@ SENTINEL = torch.iinfo(torch.int32).max
 
 
 def compose_rows_ref(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, res_k, res_v, counters,
-                     *, sinks: int, recent: int, ring: int, width: int, block_size: int, dump_row: int, Np: int):
+                     *, sinks: int, recent: int, ring: int, width: int, block_size: int, dump_row: int, Np: int,
+                     miss=None):
     """pos [B, N] ascending, SENTINEL-padded; hot_map [num_slots + 1] (the layer's; last entry: dump),
     hot_ref [P + 1] uint8, res_k / res_v [n_res, Hkv, D] (the resident rows; dump_row among them) ->
     k, v [B, Np, Hkv, D] (hit and miss rows not written), miss [B, Np] (host slot of each row to read
-    from host memory, -1 elsewhere) and hit [B, Np] (hot pool row to read, -1 elsewhere)."""
+    from host memory, -1 elsewhere) and hit [B, Np] (hot pool row to read, -1 elsewhere). miss: an int64
+    [B, Np] tensor to write the miss keys into (else a new one)."""
     B, N = pos.shape
     p = torch.nn.functional.pad(pos.long(), (0, Np - N), value=SENTINEL)
     dev = p.device
@@ -59,7 +61,8 @@ def compose_rows_ref(pos, counts, seq_lens, state_slots, block_tables, hot_map, 
     hot_ref.index_fill_(0, torch.where(hit, hot, hot_ref.shape[0] - 1).flatten(), 1)
     counters[0] += hit.sum()
     counters[1] += (pick & ~hit).sum()
-    miss = torch.where(pick & ~hit, slots, -1)
+    keys = torch.where(pick & ~hit, slots, -1)
+    miss = keys if miss is None else miss.copy_(keys)
     return res_k[res], res_v[res], miss, torch.where(hit, hot, -1)
 
 
@@ -106,7 +109,7 @@ if triton is not None:
 
 def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_map, hot_ref, res_k, res_v,
                         counters, *, sinks: int, recent: int, ring: int, width: int, block_size: int,
-                        dump_row: int, Np: int, rows_per_program: int = 16, num_warps: int = 4):
+                        dump_row: int, Np: int, miss=None, rows_per_program: int = 16, num_warps: int = 4):
     """As compose_rows_ref (hit and miss rows are left for the caller's gathers)."""
     B, N = pos.shape
     Hkv, D = res_k.shape[1:]
@@ -115,8 +118,10 @@ def compose_rows_triton(pos, counts, seq_lens, state_slots, block_tables, hot_ma
     assert res_k.is_contiguous() and res_v.is_contiguous(), "one layer's rows: [rows, Hkv, D] contiguous"
     k = torch.empty(B, Np, Hkv, D, dtype=res_k.dtype, device=res_k.device)
     v = torch.empty_like(k)
-    miss = torch.empty(B, Np, dtype=torch.int64, device=res_k.device)
-    hit = torch.empty_like(miss)
+    if miss is None:
+        miss = torch.empty(B, Np, dtype=torch.int64, device=res_k.device)
+    assert miss.shape == (B, Np) and miss.dtype == torch.int64 and miss.is_contiguous()   # the kernel's b * Np + j
+    hit = torch.empty(B, Np, dtype=torch.int64, device=res_k.device)
     pos, tables = pos.contiguous(), block_tables.contiguous()
     grid = (B, triton.cdiv(Np, rows_per_program))
     _compose_rows_kernel[grid](pos, counts, seq_lens, state_slots, tables, hot_map, hot_ref, res_k, res_v,

@@ -4,7 +4,8 @@ Scores are packed with their position into unique int64 keys (order-preserving f
 high word, inverted position in the low word), so the select has no ties to break arbitrarily.
 On CUDA torch.topk runs a radix select over those keys; the reference is a stable sort.
 `topk_positions` (what the engine uses) finds only the k-th value with a float top-k and compacts
-the positions in order: PyTorch version + Triton version (two passes over the scores) + dispatch.
+the positions in order: PyTorch version + Triton version (a radix select's four histogram passes, a count and an
+ordered compaction: 7 launches) + dispatch.
 """
 import os
 
@@ -62,29 +63,64 @@ def topk_positions_torch(scores: torch.Tensor, k: int, fill: int) -> torch.Tenso
 if triton is not None:
 
     @triton.jit
-    def _above_kth(s_ptr, kth_ptr, row, chunk, N, stride_s, CH: tl.constexpr):
+    def _ordered(x):
+        # float bits -> uint32 whose unsigned order is the float order: flip every bit of a negative, the
+        # sign bit of a positive
+        u = x.to(tl.uint32, bitcast=True)
+        return u ^ tl.where((u >> 31) == 1, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+
+    @triton.jit
+    def _radix_prefix(hist_ptr, row, rows, k0, ROUNDS: tl.constexpr):
+        # the digits of the k0-th largest key fixed by the first ROUNDS radix rounds, from their complete histograms
+        # (hist [4, rows, 256]), each round counting from the top digit down -> (those digits in the low 8 * ROUNDS
+        # bits, k left among the keys that share them). Every program of the next kernel recomputes it (at most 4 KB
+        # of L2 reads): no one-program pick kernel between the rounds.
+        d = tl.arange(0, 256)
+        prefix = tl.zeros([], tl.uint32)
+        k = k0
+        for r in tl.static_range(ROUNDS):
+            h = tl.load(hist_ptr + (r * rows + row) * 256 + d)
+            at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h            # keys with digit >= d
+            digit = tl.sum((at_or_above >= k).to(tl.int32), 0) - 1
+            k -= tl.sum(tl.where(d > digit, h, 0), 0)
+            prefix = (prefix << 8) | digit.to(tl.uint32)
+        return prefix, k
+
+    @triton.jit
+    def _kth_value(kth_ptr, hist_ptr, row, rows, k0, FROM_HIST: tl.constexpr):
+        # the row's k-th largest score: from the four rounds' histograms, or as given (kth_ptr [rows])
+        if FROM_HIST:
+            u, _ = _radix_prefix(hist_ptr, row, rows, k0, 4)
+            u = u ^ tl.where((u >> 31) == 1, 0x80000000, 0xFFFFFFFF).to(tl.uint32)   # _ordered's inverse
+            return u.to(tl.float32, bitcast=True)
+        return tl.load(kth_ptr + row)
+
+    @triton.jit
+    def _above_kth(s_ptr, kth, row, chunk, N, stride_s, CH: tl.constexpr):
         offs = chunk * CH + tl.arange(0, CH)
         x = tl.load(s_ptr + row * stride_s + offs, mask=offs < N, other=float("-inf"))
-        kth = tl.load(kth_ptr + row)
         return offs, x > kth, (x == kth) & (x > float("-inf"))
 
     @triton.jit
-    def _count_kernel(s_ptr, kth_ptr, cnt_ptr, N, stride_s, CH: tl.constexpr):
+    def _count_kernel(s_ptr, kth_ptr, hist_ptr, cnt_ptr, N, K, rows, stride_s, CH: tl.constexpr,
+                      FROM_HIST: tl.constexpr):
         # per (row, chunk): how many scores are above the k-th value, how many equal it
         row, chunk = tl.program_id(0), tl.program_id(1)
-        _, gt, eq = _above_kth(s_ptr, kth_ptr, row, chunk, N, stride_s, CH)
+        kth = _kth_value(kth_ptr, hist_ptr, row, rows, K, FROM_HIST)
+        _, gt, eq = _above_kth(s_ptr, kth, row, chunk, N, stride_s, CH)
         base = cnt_ptr + (row * tl.num_programs(1) + chunk) * 2
         tl.store(base, tl.sum(gt.to(tl.int32), 0))
         tl.store(base + 1, tl.sum(eq.to(tl.int32), 0))
 
     @triton.jit
-    def _compact_kernel(s_ptr, kth_ptr, cnt_ptr, out_ptr, N, K, fill, stride_s, stride_o, CH: tl.constexpr,
-                        NCP: tl.constexpr):
+    def _compact_kernel(s_ptr, kth_ptr, hist_ptr, cnt_ptr, out_ptr, N, K, rows, fill, stride_s, stride_o,
+                        CH: tl.constexpr, NCP: tl.constexpr, FROM_HIST: tl.constexpr):
         # every score above the k-th value is taken, equal ones in position order until `need` = k - (all
         # above); each chunk writes its picks after those of the chunks before it (it sums their counts: a
         # row has at most NCP chunks), and chunk 0 pads the row's untaken tail with `fill`
         row, chunk = tl.program_id(0), tl.program_id(1)
-        offs, gt, eq = _above_kth(s_ptr, kth_ptr, row, chunk, N, stride_s, CH)
+        kth = _kth_value(kth_ptr, hist_ptr, row, rows, K, FROM_HIST)
+        offs, gt, eq = _above_kth(s_ptr, kth, row, chunk, N, stride_s, CH)
         c = tl.arange(0, NCP)
         nch = tl.num_programs(1)
         cnt = cnt_ptr + (row * nch + c) * 2
@@ -102,22 +138,18 @@ if triton is not None:
                 j = t + tl.arange(0, CH)
                 tl.store(out_ptr + row * stride_o + j, tl.full([CH], fill, tl.int32), mask=(j >= taken) & (j < K))
 
-
     @triton.jit
-    def _ordered(x):
-        # float bits -> uint32 whose unsigned order is the float order: flip every bit of a negative, the
-        # sign bit of a positive
-        u = x.to(tl.uint32, bitcast=True)
-        return u ^ tl.where((u >> 31) == 1, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
-
-    @triton.jit
-    def _radix_hist_kernel(s_ptr, state_ptr, hist_ptr, N, iters, programs, stride_s, SHIFT: tl.constexpr, TILE: tl.constexpr):
+    def _radix_hist_kernel(s_ptr, hist_ptr, N, rows, k0, iters, programs, stride_s, SHIFT: tl.constexpr,
+                           TILE: tl.constexpr):
         # one radix round, program (row, p): tiles p, p + programs, ... (iters of them) of the row; among the keys whose
-        # higher digits equal this round's prefix, histogram the 8-bit digit at SHIFT -> hist [rows, 256]
+        # higher digits equal the earlier rounds' (recomputed from their histograms), histogram the 8-bit digit at
+        # SHIFT -> hist[round, row]
         row, p = tl.program_id(0), tl.program_id(1)
+        ROUND: tl.constexpr = (24 - SHIFT) // 8
         if SHIFT < 24:
-            prefix = tl.load(state_ptr + row * 2).to(tl.uint32, bitcast=True)
-        else:  # the first round: no digit fixed yet (state is not written before it)
+            prefix, _ = _radix_prefix(hist_ptr, row, rows, k0, ROUND)
+            prefix = prefix << (SHIFT + 8)
+        else:  # the first round: no digit fixed yet
             prefix = tl.zeros([], tl.uint32)
         high = (0xFFFFFFFF << (SHIFT + 8)) if SHIFT < 24 else 0    # the digits already fixed
         acc = tl.zeros((256,), tl.int32)
@@ -126,31 +158,13 @@ if triton is not None:
             key = _ordered(tl.load(s_ptr + row * stride_s + offs, mask=offs < N, other=0.0))
             match = (offs < N) & ((key & high) == (prefix & high))
             acc += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=match)
-        tl.atomic_add(hist_ptr + row * 256 + tl.arange(0, 256), acc)
+        tl.atomic_add(hist_ptr + (ROUND * rows + row) * 256 + tl.arange(0, 256), acc)
 
     @triton.jit
-    def _radix_pick_kernel(state_ptr, hist_ptr, kth_ptr, k0, SHIFT: tl.constexpr):
-        # the digit holding the k-th largest key among the matching ones: counts from the top digit down;
-        # state [rows, 2] = (prefix, k left) for the next round (the first round starts from (0, k0)); the
-        # last round writes the k-th value
+    def _radix_kth_kernel(hist_ptr, kth_ptr, rows, k0):
+        # kth_largest_triton's last step: the k-th value from the four histograms
         row = tl.program_id(0)
-        d = tl.arange(0, 256)
-        h = tl.load(hist_ptr + row * 256 + d)
-        if SHIFT < 24:
-            k = tl.load(state_ptr + row * 2 + 1)
-            prefix = tl.load(state_ptr + row * 2).to(tl.uint32, bitcast=True)
-        else:
-            k = k0
-            prefix = tl.zeros([], tl.uint32)
-        at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h            # keys with digit >= d
-        digit = tl.sum((at_or_above >= k).to(tl.int32), 0) - 1
-        above = tl.sum(tl.where(d > digit, h, 0), 0)
-        prefix = prefix | (digit.to(tl.uint32) << SHIFT)
-        tl.store(state_ptr + row * 2, prefix.to(tl.int32, bitcast=True))
-        tl.store(state_ptr + row * 2 + 1, k - above)
-        if SHIFT == 0:
-            u = prefix ^ tl.where((prefix >> 31) == 1, 0x80000000, 0xFFFFFFFF).to(tl.uint32)
-            tl.store(kth_ptr + row, u.to(tl.float32, bitcast=True))
+        tl.store(kth_ptr + row, _kth_value(kth_ptr, hist_ptr, row, rows, k0, True))
 
 
 def kth_largest_torch(s: torch.Tensor, k: int) -> torch.Tensor:
@@ -158,39 +172,53 @@ def kth_largest_torch(s: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(s, k, dim=-1, sorted=False).values.amin(-1)
 
 
-def kth_largest_triton(s: torch.Tensor, k: int) -> torch.Tensor:
-    """kth_largest_torch bit for bit, by radix select: four rounds over 8-bit digits of the order-preserving
-    keys, each a histogram pass over the row (integer atomics: deterministic) and a one-program pick. 9
-    small launches (one memset, 4 x 2 kernels); torch.topk sorts rows of >= 100K scores when there are <= 10 rows (its heuristic), which
-    cost ~150 us per layer at 8 x 250K on the H200 (run 24)."""
+def radix_histograms(s: torch.Tensor, k: int) -> torch.Tensor:
+    """s [rows, N] fp32 -> hist [4, rows, 256] int32: the four radix rounds of the k-th largest key (8-bit digits of
+    the order-preserving keys, most significant first), each a histogram pass over the row among the keys that share
+    the digits the earlier rounds fixed (integer atomics: deterministic). A memset and 4 launches; the digits are
+    read back from the histograms by whoever needs them (_radix_prefix)."""
     rows, N = s.shape
     TILE = 2048
     # up to ~1K programs: at 256 (~2 per SM at 8 rows, 4 tiles each) a round took 12 us per layer at 8 x 250K,
     # latency-bound (H200 run 38)
     programs = max(1, min(triton.cdiv(N, TILE), 1024 // max(rows, 1)))
     hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=s.device)
-    state = torch.empty(rows, 2, dtype=torch.int32, device=s.device)   # written by the first pick
+    for shift in (24, 16, 8, 0):
+        _radix_hist_kernel[(rows, programs)](s, hist, N, rows, k, triton.cdiv(N, TILE * programs), programs,
+                                             s.stride(0), SHIFT=shift, TILE=TILE)
+    return hist
+
+
+def kth_largest_triton(s: torch.Tensor, k: int) -> torch.Tensor:
+    """kth_largest_torch bit for bit, by radix select (radix_histograms, then one kernel reads the k-th value out of
+    them); torch.topk sorts rows of >= 100K scores when there are <= 10 rows (its heuristic), which cost ~150 us
+    per layer at 8 x 250K on the H200 (run 24)."""
+    rows = s.shape[0]
+    hist = radix_histograms(s, k)
     kth = torch.empty(rows, dtype=torch.float32, device=s.device)
-    for i, shift in enumerate((24, 16, 8, 0)):
-        _radix_hist_kernel[(rows, programs)](s, state, hist[i], N, triton.cdiv(N, TILE * programs), programs, s.stride(0),
-                                             SHIFT=shift, TILE=TILE)
-        _radix_pick_kernel[(rows,)](state, hist[i], kth, k, SHIFT=shift)
+    _radix_kth_kernel[(rows,)](hist, kth, rows, k)
     return kth
 
 
 def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None) -> torch.Tensor:
-    """kth: the k-th value's function (default kth_largest_triton; kth_largest_torch gives the same)."""
+    """kth: a function giving the k-th values (kth_largest_torch, kth_largest_triton: the same); by default the
+    count and compaction kernels read the k-th value out of radix_histograms' rounds themselves (7 launches: a
+    memset, 4 histogram passes, count, compaction; it was 11 with a pick kernel after each round)."""
     N = scores.shape[-1]
     s = scores.reshape(-1, N).float().contiguous()
     rows = s.shape[0]
-    kth = (kth or kth_largest_triton)(s, k)
+    if kth is None:
+        hist, kth_t = radix_histograms(s, k), s   # kth_t: unused pointer
+    else:
+        hist, kth_t = s, kth(s, k)                # hist: unused pointer
     CH = 2048
     grid = (rows, triton.cdiv(N, CH))
     counts = torch.empty(rows, grid[1], 2, dtype=torch.int32, device=s.device)
-    _count_kernel[grid](s, kth, counts, N, s.stride(0), CH=CH)
+    from_hist = kth is None
+    _count_kernel[grid](s, kth_t, hist, counts, N, k, rows, s.stride(0), CH=CH, FROM_HIST=from_hist)
     out = torch.empty(rows, k, dtype=torch.int32, device=s.device)
-    _compact_kernel[grid](s, kth, counts, out, N, k, fill, s.stride(0), out.stride(0), CH=CH,
-                          NCP=max(16, triton.next_power_of_2(grid[1])))
+    _compact_kernel[grid](s, kth_t, hist, counts, out, N, k, rows, fill, s.stride(0), out.stride(0), CH=CH,
+                          NCP=max(16, triton.next_power_of_2(grid[1])), FROM_HIST=from_hist)
     return out.view(*scores.shape[:-1], k)
 
 
