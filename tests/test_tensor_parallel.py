@@ -135,6 +135,51 @@ def test_sharded_forward_equals_unsharded(model, tiny_checkpoint, tmp_path):
         assert shapes["gdn"] == (1, 2, (2 * 32 + 2 * 32, 1, 4))
 
 
+@pytest.fixture(scope="module")
+def int4_reference(tmp_path_factory):
+    """The reference model quantized by `sketchkv quantize` (RTN, asymmetric, group 64: each rank's share of the
+    row-parallel inputs, 128 / 128 / 384 rows, is whole groups)."""
+    from sketchkv.cli import main
+    dst = str(tmp_path_factory.mktemp("tp-int4") / "w4a16")
+    assert main(["quantize", REF, dst, "--kl-samples", "0", "--group-size", "64"]) == 0
+    return dst
+
+
+@has_reference
+def test_tp2_int4_greedy_tokens_and_logits_equal_tp1(int4_reference):
+    """W4A16 weights cut by rank (canonical words unshuffled, columns / whole groups of rows sliced, fused and prepared
+    again): TP=2 decodes what TP=1 decodes from the same int4 checkpoint."""
+    prompts = _prompts([120, 33, 64])
+
+    def run(**options):
+        llm = LLM(int4_reference, **CPU, max_num_batched_tokens=64, **options)
+        try:
+            assert any(type(m).__name__ == "Int4Linear" for m in llm.engine.runner.model.modules())
+            sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            outs = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+            return outs, llm.teacher_force(prompts[:1], [outs[0]])[0]
+        finally:
+            llm.shutdown()
+
+    ref, ref_lp = run()
+    got, got_lp = run(tensor_parallel_size=2)
+    assert got == ref
+    torch.testing.assert_close(got_lp, ref_lp, rtol=1e-4, atol=1e-4)
+
+
+@has_reference
+def test_tp_int4_groups_split_by_ranks_fail_in_one_line(int4_reference, tmp_path):
+    import json
+    import shutil
+    dst = tmp_path / "g256"
+    shutil.copytree(int4_reference, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 256     # o_proj's 256 input rows: 128 per rank at TP=2
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RequestError, match="not whole int4 groups of 256"):
+        LLM(str(dst), device="cpu", tensor_parallel_size=2)
+
+
 def test_indivisible_heads_and_unsupported_combos_fail_in_one_line():
     with pytest.raises(RequestError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=4"):
         LLM("random:tiny-hybrid", device="cpu", tensor_parallel_size=3)

@@ -10,6 +10,10 @@ layer down to this rank's share in place, and the model code stays as it is.
 - MLP: gate/up column-parallel, down row-parallel.
 - Embedding: vocab rows split; a rank looks up the ids it owns, zeros for others, all-reduce.
   LM head: local vocab rows, logits all-gathered to the full vocab (tied weights stay tied).
+- Int4 (W4A16) projections are cut the same way in their canonical tensors (the loader's packed words put back in
+  natural order first): output columns of qweight / scales / zeros for column-parallel, whole quantization groups
+  of input rows for row-parallel (so each rank's K share must be a multiple of the group size; a per-channel
+  scale, one group over K, becomes one group over the rank's share).
 Projections are fused again after the cut (models/fuse.py), so a rank runs one GEMM per group.
 
 Known gap: every rank loads the full checkpoint on its device, then slices and frees the rest:
@@ -23,12 +27,13 @@ from torch import nn
 
 from sketchkv.errors import RequestError
 from sketchkv.layers.gated_deltanet import GatedDeltaNet
+from sketchkv.layers.int4_linear import Int4Linear, prepare_int4
 from sketchkv.layers.mlp import MLP
 from sketchkv.layers.sparse_attention import SparseAttention
-from sketchkv.models.fuse import fuse_projections
 from sketchkv.models.llama import LlamaAttention
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.models.qwen3_5 import GatedAttention
+from sketchkv.ops.w4a16_gemm import pack_int4, unshuffle_q, w4a16_matmul
 from sketchkv.parallel.comm import all_reduce_sum, gather_last_dim
 
 
@@ -39,9 +44,6 @@ def check_supported(cfg, model_cfg: ModelConfig) -> None:
         raise RequestError(f"tensor_parallel_size must be >= 1, got {n}")
     if model_cfg.family == "qwen4_exp":
         raise RequestError("tensor parallelism does not support qwen4_exp models yet (QSA indexer, hyper-connections)")
-    if model_cfg.quantization_config:
-        raise RequestError("tensor parallelism with int4 (W4A16) weights is not supported yet: run one engine per GPU "
-                           "(sketchkv serve --data-parallel N)")
     if model_cfg.num_experts:
         raise RequestError("tensor parallelism does not support MoE models yet (experts are not sharded)")
     if cfg.sparse.host_tier:
@@ -56,6 +58,15 @@ def check_supported(cfg, model_cfg: ModelConfig) -> None:
     bad = [f"{k}={v}" for k, v in sizes.items() if v % n]
     if bad:
         raise RequestError(f"tensor_parallel_size={n} must divide the model's {', '.join(bad)}")
+    group = (model_cfg.quantization_config or {}).get("group_size", 0)
+    if group and group > 0:   # row-parallel int4 projections take whole groups of input rows
+        shares = {"o_proj": model_cfg.num_heads * model_cfg.head_dim // n, "down_proj": model_cfg.intermediate_size // n}
+        if model_cfg.linear_attention_layers:
+            shares["out_proj"] = model_cfg.linear_num_value_heads * model_cfg.linear_value_head_dim // n
+        bad = [f"{k} {v}" for k, v in shares.items() if v % group]
+        if bad:
+            raise RequestError(f"tensor_parallel_size={n} leaves each rank input rows that are not whole int4 groups of "
+                               f"{group} ({', '.join(bad)}): use a smaller tensor_parallel_size or group size")
 
 
 def shard_model(model: nn.Module, model_cfg: ModelConfig, rank: int, world: int) -> ModelConfig:
@@ -64,13 +75,21 @@ def shard_model(model: nn.Module, model_cfg: ModelConfig, rank: int, world: int)
     with torch.no_grad():
         for m in list(model.modules()):
             if isinstance(m, (GatedAttention, LlamaAttention)):
-                _shard_attention(m, rank, world)
+                cut = _shard_attention
             elif isinstance(m, GatedDeltaNet):
-                _shard_gated_deltanet(m, rank, world)
+                cut = _shard_gated_deltanet
             elif isinstance(m, MLP):
-                _shard_mlp(m, rank, world)
+                cut = _shard_mlp
+            else:
+                continue
+            # one module at a time: its int4 linears' canonical copies live only until its shares exist
+            for lin in m.modules():
+                if isinstance(lin, Int4Linear):
+                    _canonical(lin)
+            cut(m, rank, world)
+            m.fuse_projections()
         _shard_vocab(model, rank, world)
-        fuse_projections(model)
+        prepare_int4(model)   # the int4 projections no group fused
     n = world
     return dataclasses.replace(model_cfg, num_heads=model_cfg.num_heads // n, num_kv_heads=model_cfg.num_kv_heads // n,
                                intermediate_size=model_cfg.intermediate_size // n,
@@ -84,6 +103,14 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = all_reduce_sum(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class RowParallelInt4Linear(Int4Linear):
+    """RowParallelLinear with int4 weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce_sum(w4a16_matmul(x, self.int4))
         return out if self.bias is None else out + self.bias
 
 
@@ -122,17 +149,43 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.contiguous().clone(), requires_grad=False)  # a copy: the full tensor can be freed
 
 
-def _keep_rows(lin: nn.Linear, ranges: list[range]) -> None:
-    """Column-parallel: keep the output rows (features) in `ranges`."""
-    lin.weight = _param(torch.cat([lin.weight[r.start:r.stop] for r in ranges]))
+def _canonical(lin: Int4Linear) -> None:
+    """An int4 linear back to the loader's canonical tensors, in its own storage (the loader prepared it: its words
+    are in the kernel's order, and a fused one's are a view of the group's weight), for the cut to slice and the
+    fusion to prepare again."""
+    bk = next((b for b in (128, 64, 32, 16) if lin.group_size % b == 0), 8)   # prepare_int4_weight's default
+    q = lin.qweight.data.contiguous()
+    lin.qweight = _param(pack_int4(unshuffle_q(q, bk)) if bk > 8 else q)
+    lin.scales, lin.zeros = _param(lin.scales.data), _param(lin.zeros.data)
+    lin.int4, lin.fused = None, False
+
+
+def _keep_rows(lin: nn.Module, ranges: list[range]) -> None:
+    """Column-parallel: keep the output rows (features) in `ranges` (an int4 linear: those columns of its tensors)."""
+    if isinstance(lin, Int4Linear):
+        for t in ("qweight", "scales", "zeros"):
+            setattr(lin, t, _param(torch.cat([getattr(lin, t)[:, r.start:r.stop] for r in ranges], dim=1)))
+        lin.out_features = lin.qweight.shape[1]
+    else:
+        lin.weight = _param(torch.cat([lin.weight[r.start:r.stop] for r in ranges]))
+        lin.out_features = lin.weight.shape[0]
     if lin.bias is not None:
         lin.bias = _param(torch.cat([lin.bias[r.start:r.stop] for r in ranges]))
-    lin.out_features = lin.weight.shape[0]
 
 
-def _row_parallel(lin: nn.Linear, cols: range) -> RowParallelLinear:
-    out = RowParallelLinear(len(cols), lin.out_features, bias=lin.bias is not None, device="meta")
-    out.weight = _param(lin.weight[:, cols.start:cols.stop])
+def _row_parallel(lin: nn.Module, cols: range) -> nn.Module:
+    if isinstance(lin, Int4Linear):
+        G = lin.group_size
+        g = len(cols) if G == lin.in_features else G    # a per-channel scale: one group over the share
+        assert cols.start % g == 0 and len(cols) % g == 0, (cols, G)   # check_supported refused it otherwise
+        out = RowParallelInt4Linear(len(cols), lin.out_features, g, bias=lin.bias is not None,
+                                    dtype=lin.scales.dtype, device="meta")
+        out.qweight = _param(lin.qweight[cols.start // 8:cols.stop // 8])
+        groups = slice(0, 1) if g != G else slice(cols.start // G, cols.stop // G)
+        out.scales, out.zeros = _param(lin.scales[groups]), _param(lin.zeros[groups])
+    else:
+        out = RowParallelLinear(len(cols), lin.out_features, bias=lin.bias is not None, device="meta")
+        out.weight = _param(lin.weight[:, cols.start:cols.stop])
     if lin.bias is not None:
         out.bias = _param(lin.bias)
     return out
@@ -147,7 +200,7 @@ def _shard_attention(m: nn.Module, rank: int, world: int) -> None:
     H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
     heads, kv = _share(rank, world, H), _share(rank, world, Hkv)
     m.qkv = None  # fused view of the full weights; fused again after the cut
-    _keep_rows(m.q_proj, [_scaled(heads, m.q_proj.weight.shape[0] // H)])  # D per head, or [q; gate] 2D (hybrids)
+    _keep_rows(m.q_proj, [_scaled(heads, m.q_proj.out_features // H)])  # D per head, or [q; gate] 2D (hybrids)
     _keep_rows(m.k_proj, [_scaled(kv, D)])
     _keep_rows(m.v_proj, [_scaled(kv, D)])
     m.o_proj = _row_parallel(m.o_proj, _scaled(heads, D))
