@@ -137,11 +137,12 @@ def test_sharded_forward_equals_unsharded(model, tiny_checkpoint, tmp_path):
 
 @pytest.fixture(scope="module")
 def int4_reference(tmp_path_factory):
-    """The reference model quantized by `sketchkv quantize` (RTN, asymmetric, group 64: each rank's share of the
-    row-parallel inputs, 128 / 128 / 384 rows, is whole groups)."""
+    """The reference model quantized by `sketchkv quantize` (RTN, asymmetric: zero points differ per group and column,
+    so a wrongly cut zeros tensor shows; group 32: each rank's share of the row-parallel inputs, 128 / 128 / 384 rows,
+    is several whole groups)."""
     from sketchkv.cli import main
     dst = str(tmp_path_factory.mktemp("tp-int4") / "w4a16")
-    assert main(["quantize", REF, dst, "--kl-samples", "0", "--group-size", "64"]) == 0
+    assert main(["quantize", REF, dst, "--kl-samples", "0", "--group-size", "32", "--asym"]) == 0
     return dst
 
 
