@@ -199,7 +199,7 @@ def gemv_main(args, bw):
     for name in args.shapes:
         K, N, _ = SHAPES[name]
         G = args.group if args.group > 0 else K
-        bk = args.block_k or next((b for b in (128, 64, 32, 16) if G % b == 0), 8)
+        bk = args.block_k or wg.default_block_k(G)
         for M in args.gemv_rows:
             jobs += [(K, N, M, G, bk, c) for c in [config_for(M, N, K, dev)] + (
                 gemv_candidates(M, N, K, dev) if 16 <= bk <= G else [])]

@@ -10,7 +10,8 @@ parameters become its tensors (the kernel's own word order), so no second copy s
 import torch
 from torch import nn
 
-from sketchkv.ops.w4a16_gemm import Int4Weight, dequantize_prepared, prepare_int4_weight, w4a16_matmul
+from sketchkv.ops.w4a16_gemm import (Int4Weight, canonical_words, default_block_k, dequantize_prepared,
+                                     prepare_int4_weight, w4a16_matmul)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -40,6 +41,15 @@ class Int4Linear(nn.Module):
     def adopt(self, w: Int4Weight, cols: slice) -> None:
         """Point the parameters at output columns `cols` of a prepared weight (freeing the canonical ones)."""
         self.qweight.data, self.scales.data, self.zeros.data = w.packed[:, cols], w.scales[:, cols], w.zeros[:, cols]
+
+    def unprepare(self) -> None:
+        """Back to canonical tensors in their own storage (prepare() or a fusion made the parameters views of a
+        prepared weight, its words in the kernel's order with the default block_k), to be cut (tensor parallelism)
+        and fused or prepared again."""
+        own = lambda t: nn.Parameter(t.contiguous().clone(), requires_grad=False)  # noqa: E731
+        self.qweight = own(canonical_words(self.qweight.data, default_block_k(self.group_size)))
+        self.scales, self.zeros = own(self.scales.data), own(self.zeros.data)
+        self.int4, self.fused = None, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.int4 is not None, "Int4Linear used before prepare() or after fusion"

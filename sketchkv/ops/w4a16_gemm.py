@@ -150,7 +150,7 @@ class Int4Weight:
     @property
     def qweight(self) -> torch.Tensor:
         """The canonical qweight (recomputed: for loaders and checks, not per step)."""
-        return pack_int4(unshuffle_q(self.packed, self.block_k)) if self.block_k > 8 else self.packed
+        return canonical_words(self.packed, self.block_k)
 
     @property
     def in_features(self) -> int:
@@ -159,6 +159,16 @@ class Int4Weight:
     @property
     def out_features(self) -> int:
         return self.packed.shape[1]
+
+
+def default_block_k(group_size: int) -> int:
+    """The kernel's K tile for a group size when none is asked for: the largest of 128..16 inside one group."""
+    return next((b for b in (128, 64, 32, 16) if group_size % b == 0), 8)
+
+
+def canonical_words(packed: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Words in the kernel's order (shuffle_int4 with block_k; any column slice of them) -> canonical qweight."""
+    return pack_int4(unshuffle_q(packed.contiguous(), block_k)) if block_k > 8 else packed
 
 
 def prepare_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -172,7 +182,7 @@ def prepare_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torc
     assert scales.shape == zeros.shape == (K // group_size, N), \
         f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} != {(K // group_size, N)}"
     if block_k is None:
-        block_k = next((b for b in (128, 64, 32, 16) if group_size % b == 0), 8)
+        block_k = default_block_k(group_size)
     assert K % block_k == 0 and (group_size % block_k == 0 or
                                  (block_k % group_size == 0 and group_size % (block_k // 4) == 0)), \
         f"block_k {block_k} does not fit K = {K}, group {group_size}"

@@ -33,7 +33,7 @@ from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.models.llama import LlamaAttention
 from sketchkv.models.model_config import ModelConfig
 from sketchkv.models.qwen3_5 import GatedAttention
-from sketchkv.ops.w4a16_gemm import pack_int4, unshuffle_q, w4a16_matmul
+from sketchkv.ops.w4a16_gemm import w4a16_matmul
 from sketchkv.parallel.comm import all_reduce_sum, gather_last_dim
 
 
@@ -85,7 +85,7 @@ def shard_model(model: nn.Module, model_cfg: ModelConfig, rank: int, world: int)
             # one module at a time: its int4 linears' canonical copies live only until its shares exist
             for lin in m.modules():
                 if isinstance(lin, Int4Linear):
-                    _canonical(lin)
+                    lin.unprepare()
             cut(m, rank, world)
             m.fuse_projections()
         _shard_vocab(model, rank, world)
@@ -147,17 +147,6 @@ def _share(rank: int, world: int, n: int) -> range:
 
 def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.contiguous().clone(), requires_grad=False)  # a copy: the full tensor can be freed
-
-
-def _canonical(lin: Int4Linear) -> None:
-    """An int4 linear back to the loader's canonical tensors, in its own storage (the loader prepared it: its words
-    are in the kernel's order, and a fused one's are a view of the group's weight), for the cut to slice and the
-    fusion to prepare again."""
-    bk = next((b for b in (128, 64, 32, 16) if lin.group_size % b == 0), 8)   # prepare_int4_weight's default
-    q = lin.qweight.data.contiguous()
-    lin.qweight = _param(pack_int4(unshuffle_q(q, bk)) if bk > 8 else q)
-    lin.scales, lin.zeros = _param(lin.scales.data), _param(lin.zeros.data)
-    lin.int4, lin.fused = None, False
 
 
 def _keep_rows(lin: nn.Module, ranges: list[range]) -> None:
