@@ -51,7 +51,8 @@ def test_step_timeline_gaps_are_gpu_idle_time_across_streams():
              (1, 1020, 1022, "_sketch_score_kernel"),    # 3: inside kernel 2: no gap
              (1, 1040, 1050, "nvjet_tst_gemm"),          # 4: 10 us gap after kernel 2 (which ended last)
              (1, 1055, 1056, "something new")]           # 5: 5 us gap
-    tl = step_timeline(list(reversed(spans)), window=(990, 1070), top_gaps=2)
+    launches = [(980, 985), (995, 999), (1060, 1061.5)]   # the first is before the window: not this step's
+    tl = step_timeline(list(reversed(spans)), window=(990, 1070), top_gaps=2, launches=launches)
     ks, t = tl["kernels"], tl["totals"]
     assert [k["gap_us"] for k in ks] == [0, 2, 0, 0, 10, 5]
     assert [k["start_us"] for k in ks] == [0, 12, 13, 20, 40, 55]
@@ -61,7 +62,7 @@ def test_step_timeline_gaps_are_gpu_idle_time_across_streams():
     assert t["kernel_ms"] == pytest.approx(42e-3) and t["busy_ms"] == pytest.approx(39e-3)
     assert t["span_ms"] == pytest.approx(56e-3) and t["gap_ms"] == pytest.approx(17e-3)
     assert t["host_ms"] == pytest.approx(80e-3) and t["lead_ms"] == pytest.approx(10e-3)
-    assert t["tail_ms"] == pytest.approx(14e-3)
+    assert t["tail_ms"] == pytest.approx(14e-3) and t["launch_ms"] == pytest.approx(5.5e-3)
     assert t["main_stream"] == {"kernels": 5, "busy_ms": pytest.approx(25e-3), "gap_ms": pytest.approx(31e-3)}
     assert {k: (v["count"], round(v["ms"] * 1e3, 6)) for k, v in tl["by_kind"].items()} == {
         "gemm (weights)": (2, 20), "host gather (PCIe)": (1, 17), "rmsnorm": (1, 2), "sketch score": (1, 2),

@@ -6,8 +6,8 @@ import torch
 from sketchkv.ops.sketch import (quantize_int4, quantize_query_int8, query_words, query_words_ref, sketch_score,
                                  sketch_score_dot, sketch_score_dp4a, sketch_score_ref)
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
-from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk_positions, topk_positions_torch,
-                               topk_positions_triton, topk_ref)
+from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, radix_hist_buffer, radix_histograms,
+                               topk_positions, topk_positions_torch, topk_positions_triton, topk_ref)
 from test_sparse import _abs_sketch, dot_error_bound
 
 pytestmark = pytest.mark.gpu
@@ -139,6 +139,24 @@ def test_gpu_topk_radix_paths_equal_torch():
         assert torch.equal(topk_positions(s, 2048, SENTINEL), ref), rows
         assert torch.equal(topk_positions_triton(s, 2048, SENTINEL, kth=kth_largest_triton), ref), rows
         assert torch.equal(kth_largest_triton(s, 2048), kth_largest_torch(s, 2048)), rows
+
+
+@pytest.mark.parametrize("kernel,combine,shared", [("dot", "softmax", True), ("dot", "softmax", False),
+                                                   ("dp4a", "sum", True)])
+def test_gpu_topk_first_round_counted_by_scoring(kernel, combine, shared):
+    """The engine's pick at 8 x 250K: the scoring kernels count top-k's first radix round as they write the scores
+    (radix_hist, any stale contents): round 0 equal to radix_histograms', rounds 1-3 zero, and the same picks as
+    top-k alone, in 4-row read groups and all 8 rows."""
+    q, packed, scale, geo = _sketch_250k(14)
+    for rows in (slice(0, 4), slice(0, 8)):
+        g = (geo[0][rows], geo[1][rows], *geo[2:])
+        n = (rows.stop - rows.start) * (1 if shared else HKV)
+        hist = radix_hist_buffer(n, q.device)
+        hist.fill_(-7)
+        out = sketch_score(q[rows], packed, scale, *g, shared, combine, D ** -0.5, kernel=kernel, radix_hist=hist)
+        want = radix_histograms(out.view(n, -1), 2048)
+        assert torch.equal(hist[0], want[0]) and not hist[1:].any()
+        assert torch.equal(topk_positions(out, 2048, SENTINEL, hist=hist), topk_positions(out, 2048, SENTINEL))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -17,8 +17,8 @@ from sketchkv.ops.sketch import (dequantize_int4, project_queries, project_queri
 from sketchkv.ops.selection import SENTINEL, compose_selection, compose_selection_ref
 from sketchkv.ops.sketch_base import apply_sketch_base, row_slots, sketch_base_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
-from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, topk, topk_positions, topk_positions_torch,
-                               topk_positions_triton, topk_ref)
+from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, radix_hist_buffer, radix_histograms, topk,
+                               topk_positions, topk_positions_torch, topk_positions_triton, topk_ref)
 from conftest import run_interpreter_tests
 
 needs_interp = pytest.mark.skipif(not pa._INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
@@ -277,6 +277,37 @@ def test_interp_sketch_score_dot_kernel_matches_reference(shared, combine):
                     assert torch.equal(one, out)
                     two = sketch_score_dot(qq, packed, scale, *geo, shared, combine, sm, two_pass=True)
                     assert ((two - ref)[fin].abs() <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all()
+
+
+@needs_interp
+@pytest.mark.parametrize("kernel,combine", [("dot", "softmax"), ("dp4a", "softmax"), ("fma", "softmax"),
+                                            ("dp4a", "sum")])
+@pytest.mark.parametrize("shared", [True, False])
+def test_interp_scoring_counts_topk_first_round(kernel, combine, shared):
+    """radix_hist: the scoring kernels (softmax with stored head scores: zeroed by _lse_finish_kernel, counted by
+    _softmax_combine_kernel as it writes; other paths: radix_histograms' first pass after them) leave round 0 of the
+    scores and zero rounds 1-3, whatever the buffer held; top-k from there picks what it picks alone. One row per
+    launch too (scratch_bytes=1: the combine runs in row groups and counts into its rows)."""
+    torch.manual_seed(9)
+    lens, max_len, r, Hkv = [1, 37, 129, 300], 301, 32, 2
+    packed, scale, tables, seq_lens = _paged_sketch(lens, Hkv=Hkv, r=r, bs=16, seed=5)
+    q = torch.randn(4, Hkv, 3, r) * 3
+    geo = (tables, seq_lens, 4, 16, max_len)
+    rows = 4 * (1 if shared else Hkv)
+    calls = [lambda h: sketch_score(q, packed, scale, *geo, shared, combine, 0.2, kernel=kernel, radix_hist=h)]
+    if kernel == "dot":
+        calls.append(lambda h: sketch_score_dot(q, packed, scale, *geo, shared, combine, 0.2, scratch_bytes=1,
+                                                radix_hist=h))
+    for call in calls:
+        hist = radix_hist_buffer(rows, q.device)
+        hist.fill_(12345)                                   # stale contents must not survive
+        out = call(hist)
+        s = out.view(rows, max_len)
+        want = radix_histograms(s, 50)
+        assert torch.equal(hist[0], want[0]) and not hist[1:].any()
+        for k in (1, 50, 120):
+            h = hist.clone()
+            assert torch.equal(topk_positions(out, k, SENTINEL, hist=h), topk_positions(out, k, SENTINEL))
 
 
 def test_softmax_combine_compiles_for_a_chunk_selection():

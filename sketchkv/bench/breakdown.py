@@ -138,7 +138,7 @@ def profile_steps(engine, steps: int) -> dict:
     `bench.step` range that ends with a device sync (as the timed steps do).
     -> {"spans": [(stream, start us, end us, name, launched by a graph replay)] of every kernel, "per_step":
     those spans split by step (split_steps), "windows": each step's host (start, end) in us on the kernels'
-    clock, "steps": n}."""
+    clock, "launches": the host (start, end) of every cudaGraphLaunch call, "steps": n}."""
     from torch.profiler import ProfilerActivity, profile, record_function
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)   # (CPU: no kernels, windows only)
     engine.step()                       # warm: the profiled steps replay captured graphs
@@ -152,11 +152,12 @@ def profile_steps(engine, steps: int) -> dict:
                 engine.step()
                 sync()
             done += 1
-    spans, windows, launches = [], [], set()
+    spans, windows, launches, launch_ranges = [], [], set(), []
     events = prof.events()
     for ev in events:   # a graph replay's kernels carry the correlation id of its cudaGraphLaunch call
         if ev.device_type != torch.autograd.DeviceType.CUDA and ev.name.startswith("cudaGraphLaunch"):
             launches.add(ev.id)
+            launch_ranges.append((ev.time_range.start, ev.time_range.end))
     for ev in events:
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             if ev.name == "bench.step":
@@ -168,7 +169,7 @@ def profile_steps(engine, steps: int) -> dict:
         spans.append((ev.device_resource_id, ev.time_range.start, ev.time_range.end, ev.name, ev.id in launches))
     windows.sort()
     return {"spans": spans, "per_step": split_steps(spans, [w[0] for w in windows]), "windows": windows,
-            "steps": done}
+            "launches": sorted(launch_ranges), "steps": done}
 
 
 def kernel_summary(spans, steps: int, top: int = 300) -> dict:
@@ -212,7 +213,7 @@ def split_steps(spans, starts) -> list[list]:
     return out
 
 
-def step_timeline(spans, window: tuple | None = None, top_gaps: int = 20) -> dict:
+def step_timeline(spans, window: tuple | None = None, top_gaps: int = 20, launches=()) -> dict:
     """One step's kernel spans [(stream, start us, end us, name[, in_graph])] -> its timeline, in start order.
 
     Each kernel: start_us (from the step's first kernel), us, gap_us = the GPU's idle time before it (no kernel
@@ -221,7 +222,8 @@ def step_timeline(spans, window: tuple | None = None, top_gaps: int = 20) -> dic
     replay; False without the flag). Totals: kernel_ms (sum of kernel times; overlapping kernels counted twice),
     busy_ms (union of kernels: GPU busy), span_ms (first kernel start to last kernel end), gap_ms = span_ms -
     busy_ms (the sum of the gaps); with window (the step's host start, end on the same clock): host_ms, lead_ms
-    (host work before the first kernel), tail_ms (after the last one). main_stream: the busiest stream's busy
+    (host work before the first kernel), tail_ms (after the last one), launch_ms (the host's time inside
+    cudaGraphLaunch calls, `launches` [(start, end)] on the same clock, within the window). main_stream: the busiest stream's busy
     ms, kernels and gaps (its span - its busy time). graph (when any kernel is a graph's): the same from its
     first kernel's start to its last one's end; what lies outside is the step's eager work (inputs, sampling)
     and the host's launch. Per kind: ms and count. The `top_gaps` largest gaps (top_graph_gaps: those inside the
@@ -270,7 +272,8 @@ def step_timeline(spans, window: tuple | None = None, top_gaps: int = 20) -> dic
                            "busy_ms": (g1 - g0 - gap_in) / 1e3, "gap_ms": gap_in / 1e3, "gaps": len(inside)}
     if window is not None:
         totals.update(host_ms=(window[1] - window[0]) / 1e3, lead_ms=(t0 - window[0]) / 1e3,
-                      tail_ms=(window[1] - end) / 1e3)
+                      tail_ms=(window[1] - end) / 1e3,
+                      launch_ms=sum(b - a for a, b in launches if window[0] <= a < window[1]) / 1e3)
 
     def top(gs):
         return [{"gap_us": gap, "at_us": kernels[i]["start_us"] - gap, "index": i, "in_graph": ing,

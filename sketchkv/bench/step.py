@@ -163,7 +163,7 @@ def run(args) -> dict:
         if args.profile and dev.type == "cuda":
             log(f"profiling {args.steps} steps (torch.profiler)")
             p = BD.profile_steps(eng, args.steps)
-            per = [BD.step_timeline(s, w) for s, w in zip(p["per_step"], p["windows"])]
+            per = [BD.step_timeline(s, w, launches=p["launches"]) for s, w in zip(p["per_step"], p["windows"])]
             if not per:
                 raise RuntimeError("no step was profiled (no agent left running)")
             pick = sorted(range(len(per)), key=lambda i: per[i]["totals"]["span_ms"])[len(per) // 2]
@@ -262,10 +262,11 @@ def _timeline_md(p: dict, png: str) -> list[str]:
          "= busy + gaps; host = the step's wall time under the profiler (lead: host work before its first kernel, "
          "tail: after its last).", "",
          "| kernels | kernel sum ms | GPU busy ms | gaps ms (count) | span ms | host ms | lead ms | tail ms | "
-         "streams | busiest stream: kernels, busy ms, gaps ms |", "|" + "---|" * 10,
+         "host in graph launch ms | streams | busiest stream: kernels, busy ms, gaps ms |", "|" + "---|" * 11,
          f"| {t['kernels']} | {t['kernel_ms']:.3f} | {t['busy_ms']:.3f} | {t['gap_ms']:.3f} ({t['gaps']}) | "
          f"{t['span_ms']:.3f} | {t.get('host_ms', float('nan')):.3f} | {t.get('lead_ms', float('nan')):.3f} | "
-         f"{t.get('tail_ms', float('nan')):.3f} | {t['streams']} | {t['main_stream']['kernels']}, "
+         f"{t.get('tail_ms', float('nan')):.3f} | {t.get('launch_ms', float('nan')):.3f} | {t['streams']} | "
+         f"{t['main_stream']['kernels']}, "
          f"{t['main_stream']['busy_ms']:.3f}, {t['main_stream']['gap_ms']:.3f} |", "",
          *_graph_md(p),
          "By kind (this step; gaps before = idle time before that kind's kernels):", "",
@@ -326,7 +327,8 @@ def table(r: dict) -> str:
                  ("kernel sum / GPU busy ms", f"{t['kernel_ms']:.3f} / {t['busy_ms']:.3f}"),
                  ("gaps ms (count)", f"{t['gap_ms']:.3f} ({t['gaps']})" +
                   (f"; in the graph {g['gap_ms']:.3f} ({g['gaps']}) of its {g['span_ms']:.3f} ms span" if g else "")),
-                 ("span / host ms", f"{t['span_ms']:.3f} / {t.get('host_ms', float('nan')):.3f}")]
+                 ("span / host / host in graph launch ms", f"{t['span_ms']:.3f} / {t.get('host_ms', float('nan')):.3f}"
+                  f" / {t.get('launch_ms', float('nan')):.3f}")]
         rows += [(f"  {k}", f"{v['ms']:.3f} ms, {v['count']} kernels")
                  for k, v in list(p["timeline"]["by_kind"].items())[:8]]
     elif p:

@@ -26,7 +26,7 @@ from sketchkv.ops.sketch import exact_key_scores, project_queries, sketch_score,
 from sketchkv.ops.sketch_base import apply_sketch_base
 from sketchkv.ops.prefill_attention import prefix_causal_attention
 from sketchkv.ops.sparse_attention import sparse_attention
-from sketchkv.ops.topk import topk_positions
+from sketchkv.ops.topk import radix_hist_buffer, topk_positions
 from sketchkv.parallel.comm import reduce_selection_scores
 
 CHUNK_SELECT_ROWS = 16   # prefill_selection=chunk: rows of a prompt chunk whose queries choose its picks
@@ -119,6 +119,7 @@ class SparseAttention(Attention):
             t = c.sink_tokens + torch.arange(max_len, dtype=torch.int32, device=qg.device)   # compacted, ascending
             cand = t[None] < seq_lens[:, None].to(torch.int32) - c.recent_tokens
             return torch.where(cand, t, SENTINEL)[:, None].expand(B, Hsel, max_len).contiguous()
+        hist = None   # top-k's first radix round, counted by the scoring kernels as they write the scores
         if c.selector == "exact":  # the oracle: full keys instead of the sketch (evaluation)
             qg = qg.float()
             if c.head_combine == "sum":
@@ -126,13 +127,15 @@ class SparseAttention(Attention):
             scores = exact_key_scores(qg, self.k_cache, block_tables, seq_lens, c.sink_tokens, c.recent_tokens,
                                       max_len, c.shared_selection, c.head_combine, self.scale)
         else:
+            if not (self.tensor_parallel and c.shared_selection):   # (reduced across ranks after the kernels: no count)
+                hist = radix_hist_buffer(qg.shape[0] * (1 if c.shared_selection else self.num_kv_heads), qg.device)
             qp = project_queries(qg, self.basis, c.head_combine == "sum")
             scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens, c.sink_tokens,
                                   c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale,
-                                  kernel=c.score_kernel)
+                                  kernel=c.score_kernel, radix_hist=hist)
         if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
             scores = reduce_selection_scores(scores, c.head_combine)
-        picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL)
+        picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL, hist=hist)
         if c.miss_estimate:
             self.last_miss_estimate = missed_mass_estimate(scores if c.head_combine == "softmax" else scores * self.scale,
                                                            picks)

@@ -16,10 +16,13 @@ import os
 
 import torch
 
+from sketchkv.ops.topk import radix_histograms
+
 try:
     import triton
     import triton.language as tl
     from sketchkv.ops.quant_kv import _round_half_even
+    from sketchkv.ops.topk import first_digit_histogram
 except ImportError:
     triton = None
 
@@ -327,7 +330,7 @@ SOFTMAX_SCRATCH_BYTES = 128 << 20   # stored head scores of one launch; larger b
 
 def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
                   sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES,
-                  rank: int | None = None, **consts):
+                  rank: int | None = None, radix_hist: torch.Tensor | None = None, **consts):
     """Shared launcher of the scoring kernels (same arguments and modes). softmax, two passes over the
     sketch: pass 1 (per-program partial log-sum-exp per query head; torch combines them over programs), then
     pass 2: the sketch scored again. softmax with store_heads (dot kernel): the sketch scored once, every head's
@@ -335,7 +338,10 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
     scales a second scoring pass reads), then each head's total (_head_lse_kernel per chunk of tokens,
     _lse_finish_kernel) and _softmax_combine_kernel; rows go in groups whose scores fit in `scratch_bytes`
     (8 x 256K tokens x 24 heads: 98 MB, one group). rank: the sketch's, when qp holds something else per query
-    head (the dp4a kernel's words)."""
+    head (the dp4a kernel's words). radix_hist ([4, rows of out, 256] int32, any contents): filled for
+    topk_positions(hist=...): the first radix round of the scores counted, rounds 1-3 zero; with stored head scores
+    _lse_finish_kernel zeroes it and _softmax_combine_kernel counts as it writes (top-k's memset and first pass
+    gone), otherwise radix_histograms' first round runs after the scores."""
     B, Hkv, G, r = qp.shape
     r = rank or r
     bs = sketch.shape[1]
@@ -360,33 +366,47 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
 
     if combine != "softmax":
         launch(slice(0, B), COMBINES.index(combine), out, 0, 0)
-        return out
+        return _first_round(out, radix_hist)
     if store:
         nch = triton.cdiv(max_len, LSE_CHUNK)
         part = torch.empty(group, Hq, nch, dtype=torch.float32, device=qp.device)
         lse = torch.empty(group, Hq, dtype=torch.float32, device=qp.device)
+        hist = out if radix_hist is None else radix_hist   # (out: an unused pointer)
+        if radix_hist is not None:
+            assert radix_hist.shape == (4, out.shape[0] * out.shape[1], 256) and radix_hist.is_contiguous()
+        per_b = out.shape[1]   # hist rows per sequence: 1 (shared) or Hkv
         for b0 in range(0, B, group):
             rows = slice(b0, min(B, b0 + group))
             n = rows.stop - rows.start
             launch(rows, 4, out, 0, 0)
             _head_lse_kernel[(n, Hq, nch)](y, part, max_len, y.stride(0), nch, CHUNK=LSE_CHUNK, num_warps=4)
-            _lse_finish_kernel[(n * Hq,)](part, lse, nch, NCHP=max(16, triton.next_power_of_2(nch)), num_warps=1)
+            _lse_finish_kernel[(n * Hq,)](part, lse, nch, hist, B * per_b, b0 * per_b, n * per_b,
+                                          NCHP=max(16, triton.next_power_of_2(nch)), HIST=radix_hist is not None,
+                                          num_warps=1)
             o = out[rows]
             _softmax_combine_kernel[(n, triton.cdiv(max_len, COMBINE_TOKENS))](
-                y, lse, o, max_len, y.stride(0), o.stride(0), o.stride(1), HKV=Hkv, G=G, TOK=COMBINE_TOKENS,
-                SHARED=shared, num_warps=4)
+                y, lse, o, hist, b0 * per_b, max_len, y.stride(0), o.stride(0), o.stride(1), HKV=Hkv, G=G,
+                TOK=COMBINE_TOKENS, SHARED=shared, HIST=radix_hist is not None, num_warps=4)
         return out
     part = torch.empty(B, programs, Hq, dtype=torch.float32, device=qp.device)
     launch(slice(0, B), 2, part, part.stride(0), part.stride(1))
     lse = torch.logsumexp(part * 0.6931471805599453, 1) * 1.4426950408889634     # [B, Hq], base 2
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).contiguous()   # no candidate: stays -inf
     launch(slice(0, B), 3, lse, lse.stride(0), 0)
+    return _first_round(out, radix_hist)
+
+
+def _first_round(out: torch.Tensor, radix_hist: torch.Tensor | None) -> torch.Tensor:
+    """A scoring path that does not count top-k's first radix round itself: radix_histograms' first pass."""
+    if radix_hist is not None:
+        radix_hist.zero_()
+        radix_histograms(out.view(-1, out.shape[-1]), 1, radix_hist, rounds=(0,))
     return out
 
 
 def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                         shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 1,
-                        num_warps: int = 2) -> torch.Tensor:
+                        num_warps: int = 2, radix_hist: torch.Tensor | None = None) -> torch.Tensor:
     """sketch_score on CUDA cores (fp32 FMAs); same meaning as sketch_score_ref up to fp32 rounding.
     bpp (blocks per program) and num_warps: swept on an H200 by benchmarks/bench_sparse_ops.py."""
     if combine not in COMBINES:
@@ -394,7 +414,7 @@ def sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks: int, r
     qp = _as_groups(qp).contiguous()
     assert (qp.shape[-1] // 2) & (qp.shape[-1] // 2 - 1) == 0, "rank / 2 must be a power of two"
     return _launch_score(_sketch_score_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len,
-                         shared, combine, sm_scale, bpp, num_warps, 1)
+                         shared, combine, sm_scale, bpp, num_warps, 1, radix_hist=radix_hist)
 
 
 def quantize_query_int8(qp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -439,7 +459,7 @@ def query_words(qp: torch.Tensor) -> torch.Tensor:
 
 def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                       shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 1,
-                      num_warps: int = 4, unpack: str = "auto") -> torch.Tensor:
+                      num_warps: int = 4, unpack: str = "auto", radix_hist: torch.Tensor | None = None) -> torch.Tensor:
     """Scoring in integers: each query head quantised to int8 (query_words: once per call, one small
     launch), every 4 sketch bytes (8 nibbles) against it in two dp4a instructions (4 byte products summed into an
     int32 each), exact; the score is (sum_r q8_r u_r - 8 sum_r q8_r) * scale_t * scale_q with u = v + 8 the stored
@@ -464,7 +484,7 @@ def sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks: int, rec
     # the kernel reads each query head's words through the query's batch / KV head / group strides; R = the rank
     return _launch_score(_sketch_score_dp4a_kernel, query_words(qp), sketch, scale, block_tables, seq_lens, sinks,
                          recent, max_len, shared, combine, sm_scale, bpp, num_warps, 1, store_heads=True,
-                         rank=qp.shape[-1], HKVP=triton.next_power_of_2(qp.shape[1]),
+                         rank=qp.shape[-1], radix_hist=radix_hist, HKVP=triton.next_power_of_2(qp.shape[1]),
                          ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda
                                                  and isinstance(_sketch_score_dp4a_kernel, triton.runtime.JITFunction)))
 
@@ -696,9 +716,17 @@ if triton is not None:
         tl.store(part_ptr + (b * tl.num_programs(1) + j) * nch + c, m + tl.log2(tl.sum(tl.exp2(x - m), axis=0)))
 
     @triton.jit
-    def _lse_finish_kernel(part_ptr, lse_ptr, nch, NCHP: tl.constexpr):
-        # lse [rows * Hq]: the chunks' log2-sums combined; 0 for a head without candidates (its y stays -inf)
+    def _lse_finish_kernel(part_ptr, lse_ptr, nch, hist_ptr, hist_rows, hist_row0, hist_n, NCHP: tl.constexpr,
+                           HIST: tl.constexpr):
+        # lse [rows * Hq]: the chunks' log2-sums combined; 0 for a head without candidates (its y stays -inf).
+        # HIST: also zero this launch's rows [hist_row0, + hist_n) of all 4 rounds of top-k's histograms
+        # hist [4, hist_rows, 256] (the combine kernel counts round 0 into them next; top-k adds rounds 1-3)
         i = tl.program_id(0)
+        if HIST:
+            z = tl.zeros((256,), tl.int32)
+            for j in range(i, 4 * hist_n, tl.num_programs(0)):
+                row = (j // hist_n) * hist_rows + hist_row0 + j % hist_n
+                tl.store(hist_ptr + row * 256 + tl.arange(0, 256), z)
         c = tl.arange(0, NCHP)
         p = tl.load(part_ptr + i * nch + c, mask=c < nch, other=float("-inf"))
         m = tl.max(p, axis=0)
@@ -712,8 +740,9 @@ if triton is not None:
         return tl.load(row + j * max_len, mask=tm, other=float("-inf")).to(tl.float32) - tl.load(lse_b + j)
 
     @triton.jit
-    def _softmax_combine_kernel(y_ptr, lse_ptr, out_ptr, max_len, stride_yb, stride_ob, stride_oh,
-                                HKV: tl.constexpr, G: tl.constexpr, TOK: tl.constexpr, SHARED: tl.constexpr):
+    def _softmax_combine_kernel(y_ptr, lse_ptr, out_ptr, hist_ptr, hist_row0, max_len, stride_yb, stride_ob, stride_oh,
+                                HKV: tl.constexpr, G: tl.constexpr, TOK: tl.constexpr, SHARED: tl.constexpr,
+                                HIST: tl.constexpr):
         # softmax pass 2 over the stored scores y [rows, Hq, max_len] (log2 units) and each head's total
         # lse [rows, Hq]: out = ln sum_j exp2(y_j - lse_j) over the heads combined (all, or one KV head's G).
         # One head's row of TOK tokens at a time (contiguous), twice (max, then the sum; the second read hits
@@ -745,7 +774,12 @@ if triton is not None:
             else:
                 for j in range(N):
                     acc += tl.exp2(_head_log_mass(row, lse_b, h * G + j, max_len, tm) - m)
-            tl.store(out_ptr + b * stride_ob + h * stride_oh + t, (m + tl.log2(acc)) * LN2, mask=tm)
+            o = (m + tl.log2(acc)) * LN2
+            tl.store(out_ptr + b * stride_ob + h * stride_oh + t, o, mask=tm)
+            if HIST:   # top-k's first radix round of the scores just written (hist [4, rows, 256]: round 0 first)
+                cnt = first_digit_histogram(o, tm)
+                hrow = hist_row0 + b * (1 if SHARED else HKV) + h
+                tl.atomic_add(hist_ptr + hrow * 256 + tl.arange(0, 256), cnt, mask=cnt > 0)
 
 
 LSE_CHUNK = 4096   # tokens of one head per _head_lse_kernel program (32 per thread at 4 warps)
@@ -756,7 +790,7 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
                      shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, bpp: int = 2,
                      num_warps: int = 4, two_pass: bool = False,
                      scratch_bytes: int = SOFTMAX_SCRATCH_BYTES, unpack: str = "auto",
-                     maxnreg: int | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, radix_hist: torch.Tensor | None = None) -> torch.Tensor:
     """sketch_score on tensor cores (tl.dot, fp16 operands, fp32 accumulation); same meaning as
     sketch_score_ref up to q's fp16 rounding (see the kernel). Needs r % 32 == 0 (tl.dot: K = r/2 >= 16).
     softmax: the sketch scored once, head scores stored in fp16 for pass 2 (see _launch_score); two_pass=True:
@@ -773,7 +807,7 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
     gp = max(16, triton.next_power_of_2(qp.shape[2]))
     return _launch_score(_sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
                          max_len, shared, combine, sm_scale, bpp, num_warps, gp, store_heads=not two_pass,
-                         scratch_bytes=scratch_bytes, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+                         scratch_bytes=scratch_bytes, radix_hist=radix_hist, **({} if maxnreg is None else {"maxnreg": maxnreg}),
                          # auto: PTX unless Triton chose its interpreter for the kernel at import
                          ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda
                                                  and isinstance(_sketch_score_dot_kernel, triton.runtime.JITFunction)))
@@ -781,14 +815,15 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
 
 def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                  shared: bool = True, combine: str = "sum", sm_scale: float = 1.0,
-                 kernel: str = "auto") -> torch.Tensor:
+                 kernel: str = "auto", radix_hist: torch.Tensor | None = None) -> torch.Tensor:
     """kernel: "fma" (CUDA-core dots, fp32), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
     take "fma": tl.dot needs r/2 >= 16), "dp4a" (integer dot products with int8 query codes, sketch_score_dp4a;
     its softmax: 254 us against dot's 242, run 92) or "auto": the faster one measured on an H200 at 8 x 250K, one layer
     of the 27B shape (runs 17, 29, 33, 48, 83-87, benchmarks/bench_sketch_score.py): dp4a for sum (78 us, 79% of
     the copy bandwidth, against fma's 119 and dot's 156) and for max (159 against fma's 311), dot for softmax (244 us
     with stored head scores, 519 scoring twice, 1,101 on CUDA cores: 24 per-head dots per token; 240 / 508 us
-    replayed in CUDA graphs, run 48)."""
+    replayed in CUDA graphs, run 48). radix_hist (topk.radix_hist_buffer; the Triton paths): filled with top-k's
+    first radix round of the scores for topk_positions(hist=...) (see _launch_score); the PyTorch path ignores it."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     if kernel not in KERNELS:
@@ -798,11 +833,11 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         if kernel == "dp4a" and qp.shape[-1] % 8 == 0:
             return sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
-                                     combine, sm_scale)
+                                     combine, sm_scale, radix_hist=radix_hist)
         if kernel in ("dot", "dp4a") and qp.shape[-1] % 32 == 0:
             return sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
-                                    combine, sm_scale)
+                                    combine, sm_scale, radix_hist=radix_hist)
         return sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
-                                   combine, sm_scale)
+                                   combine, sm_scale, radix_hist=radix_hist)
     return sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
                             sm_scale)

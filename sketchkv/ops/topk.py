@@ -5,7 +5,7 @@ high word, inverted position in the low word), so the select has no ties to brea
 On CUDA torch.topk runs a radix select over those keys; the reference is a stable sort.
 `topk_positions` (what the engine uses) finds only the k-th value with a float top-k and compacts
 the positions in order: PyTorch version + Triton version (a radix select's four histogram passes, a count and an
-ordered compaction: 7 launches) + dispatch.
+ordered compaction: 7 launches; 5 when the kernel that writes the scores counts the first round, `hist`) + dispatch.
 """
 import os
 
@@ -68,6 +68,12 @@ if triton is not None:
         # sign bit of a positive
         u = x.to(tl.uint32, bitcast=True)
         return u ^ tl.where((u >> 31) == 1, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+
+    @triton.jit
+    def first_digit_histogram(x, mask):
+        """The first radix round's 256-bin histogram of scores x (the top 8 bits of their order-preserving keys) where
+        mask: what a kernel that writes the scores adds into hist[0, row] (atomics) to spare top-k that pass."""
+        return tl.histogram(((_ordered(x) >> 24) & 255).to(tl.int32), 256, mask=mask)
 
     @triton.jit
     def _radix_prefix(hist_ptr, row, rows, k0, ROUNDS: tl.constexpr):
@@ -155,9 +161,13 @@ if triton is not None:
         acc = tl.zeros((256,), tl.int32)
         for i in range(iters):
             offs = (p + i * programs) * TILE + tl.arange(0, TILE)
-            key = _ordered(tl.load(s_ptr + row * stride_s + offs, mask=offs < N, other=0.0))
+            x = tl.load(s_ptr + row * stride_s + offs, mask=offs < N, other=0.0)
+            key = _ordered(x)
             match = (offs < N) & ((key & high) == (prefix & high))
-            acc += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=match)
+            if SHIFT == 24:   # the count a kernel that writes the scores can make instead (sketch_score's radix_hist)
+                acc += first_digit_histogram(x, match)
+            else:
+                acc += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=match)
         tl.atomic_add(hist_ptr + (ROUND * rows + row) * 256 + tl.arange(0, 256), acc)
 
     @triton.jit
@@ -172,18 +182,39 @@ def kth_largest_torch(s: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(s, k, dim=-1, sorted=False).values.amin(-1)
 
 
-def radix_histograms(s: torch.Tensor, k: int) -> torch.Tensor:
+# The scoring kernels count top-k's first radix round as they write the scores (radix_hist_buffer); False: top-k
+# counts it itself (benchmarks: the same picks, two launches and one pass over the scores more per call).
+SCORING_COUNTS_FIRST_ROUND = True
+
+
+def radix_hist_buffer(rows: int, device: torch.device) -> torch.Tensor | None:
+    """An uninitialised [4, rows, 256] int32 for a scoring kernel to fill (round 0 counted, rounds 1-3 zeroed; see
+    topk_positions' hist); None where topk_positions takes the PyTorch path (or SCORING_COUNTS_FIRST_ROUND is off)."""
+    if triton is None or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    if not SCORING_COUNTS_FIRST_ROUND:
+        return None
+    return torch.empty(4, rows, 256, dtype=torch.int32, device=device)
+
+
+def radix_histograms(s: torch.Tensor, k: int, hist: torch.Tensor | None = None,
+                     rounds: tuple[int, ...] = (0, 1, 2, 3)) -> torch.Tensor:
     """s [rows, N] fp32 -> hist [4, rows, 256] int32: the four radix rounds of the k-th largest key (8-bit digits of
     the order-preserving keys, most significant first), each a histogram pass over the row among the keys that share
     the digits the earlier rounds fixed (integer atomics: deterministic). A memset and 4 launches; the digits are
-    read back from the histograms by whoever needs them (_radix_prefix)."""
+    read back from the histograms by whoever needs them (_radix_prefix). hist: the buffer to count into instead of a
+    fresh zeroed one, holding the counts of the rounds not in `rounds` and zeros in those that are (topk_positions'
+    hist: round 0 counted by the kernel that wrote s, rounds (1, 2, 3) left)."""
     rows, N = s.shape
     TILE = 2048
     # up to ~1K programs: at 256 (~2 per SM at 8 rows, 4 tiles each) a round took 12 us per layer at 8 x 250K,
     # latency-bound (H200 run 38)
     programs = max(1, min(triton.cdiv(N, TILE), 1024 // max(rows, 1)))
-    hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=s.device)
-    for shift in (24, 16, 8, 0):
+    if hist is None:
+        hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=s.device)
+    assert hist.shape == (4, rows, 256) and hist.dtype == torch.int32 and hist.is_contiguous(), hist.shape
+    shifts = [24 - 8 * r for r in rounds]
+    for shift in shifts:
         _radix_hist_kernel[(rows, programs)](s, hist, N, rows, k, triton.cdiv(N, TILE * programs), programs,
                                              s.stride(0), SHIFT=shift, TILE=TILE)
     return hist
@@ -200,15 +231,17 @@ def kth_largest_triton(s: torch.Tensor, k: int) -> torch.Tensor:
     return kth
 
 
-def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None) -> torch.Tensor:
+def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None, hist=None) -> torch.Tensor:
     """kth: a function giving the k-th values (kth_largest_torch, kth_largest_triton: the same); by default the
     count and compaction kernels read the k-th value out of radix_histograms' rounds themselves (7 launches: a
-    memset, 4 histogram passes, count, compaction; it was 11 with a pick kernel after each round)."""
+    memset, 4 histogram passes, count, compaction; it was 11 with a pick kernel after each round; 5 with `hist`,
+    round 0 counted by the kernel that wrote the scores)."""
     N = scores.shape[-1]
     s = scores.reshape(-1, N).float().contiguous()
     rows = s.shape[0]
     if kth is None:
-        hist, kth_t = radix_histograms(s, k), s   # kth_t: unused pointer
+        hist = radix_histograms(s, k) if hist is None else radix_histograms(s, k, hist, rounds=(1, 2, 3))
+        kth_t = s   # unused pointer
     else:
         hist, kth_t = s, kth(s, k)                # hist: unused pointer
     CH = 2048
@@ -222,9 +255,11 @@ def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None) -> 
     return out.view(*scores.shape[:-1], k)
 
 
-def topk_positions(scores: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+def topk_positions(scores: torch.Tensor, k: int, fill: int, hist: torch.Tensor | None = None) -> torch.Tensor:
     """Positions of the k best scores above -inf, ascending, int32, padded with `fill` -> [..., k]
-    (see topk_positions_torch; the Triton path gives the same tensor)."""
+    (see topk_positions_torch; the Triton path gives the same tensor). hist: [4, rows, 256] int32 (rows = the
+    scores' rows, flattened) with the first radix round counted and rounds 1-3 zero, by whoever wrote the scores
+    (sketch_score's radix_hist); the PyTorch path ignores it."""
     if triton is not None and (scores.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return topk_positions_triton(scores, k, fill)
+        return topk_positions_triton(scores, k, fill, hist=hist)
     return topk_positions_torch(scores, k, fill)

@@ -31,7 +31,7 @@ weights (one dot per group: 16 HGMMAs and one DEPBAR per tile in the SASS) left 
 slowed the BLOCK_N 64 shapes 2x (run 109), and mma.sync (DISABLE_MMA_V3=1) was 10-30% slower at M <= 8 even
 with its own configs (run 108). What helped: the words' tiles by TMA (Config.tma: a host tensor descriptor
 of the packed words, each [KW, BLOCK_N] tile one cp.async.bulk.tensor into shared memory, read back transposed):
-H100 run 113 (benchmarks/studies/w4a16_tma.py) 54% -> 60% of the int4 floor at M = 1, 8 (slower at M = 64), so
+H100 run 113 (benchmarks/studies/w4a16_flag.py --flag tma) 54% -> 60% of the int4 floor at M = 1, 8 (slower at M = 64), so
 config_for turns it on up to 16 rows on sm_90+. Not tried: a per-tile contiguous layout, a persistent or
 warp-specialized kernel.
 
@@ -211,6 +211,7 @@ class Config:
     num_stages: int = 4
     magic: bool = True       # nibble -> float by mantissa OR (bf16 / fp16 activations only)
     tma: bool = False        # the words' K tiles by TMA (a host tensor descriptor) instead of cp.async
+    xsum: bool = False       # rowsum(x) per group by one torch reduction before the launch, not a second dot
 
 
 # (M bucket, N, K) -> Config, from `benchmarks/bench_w4a16_gemm.py --sweep` on an H200; else config_for's rule
@@ -229,6 +230,12 @@ TUNED: dict[tuple[int, int, int], Config] = {
     (8, 5120, 6144): Config(block_m=16, block_n=64, split_k=8, num_warps=4, num_stages=2),
     (64, 5120, 6144): Config(block_m=64, block_n=64, split_k=8, num_warps=4, num_stages=4),
 }
+
+
+# From this many rows on, rowsum(x) is summed before the launch (Config.xsum) instead of by a second dot against
+# ones: at M = 64 (MTP-7 verification of 8 sequences) that dot doubles the tensor cores' work. Off until a GPU run of
+# `benchmarks/studies/w4a16_flag.py --flag xsum` decides.
+XSUM_MIN_M = 1 << 30
 
 
 def m_bucket(M: int) -> int:
@@ -278,6 +285,8 @@ def config_for(M: int, N: int, K: int, device: torch.device) -> Config:
                      num_stages=3 if bm <= 16 else 4)
     if M <= 16 and _tma_ok(N, device):
         cfg = replace(cfg, tma=True)
+    if M >= XSUM_MIN_M:
+        cfg = replace(cfg, xsum=True)
     return cfg
 
 
@@ -387,18 +396,21 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _w4a16_kernel(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+    def _w4a16_kernel(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
                       M, N, K, G, stride_xm, stride_om, TILES_PER_SPLIT,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
-                      UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False):
+                      UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
+                      XSUM: tl.constexpr = False):
         """Words in shuffle_int4's order (BLOCK_K = the weight's block_k). Per K tile: the [BLOCK_N, KW] words
         (pipelined through shared memory, coalesced along N), then per group of the tile (GROUPS = BLOCK_K / G,
         else 1) its 4 / GROUPS shifts unpacked to [BLOCK_N, BLOCK_K / GROUPS] weights in k order and one dot,
         out^T = W x^T: the weight is the MMA's M side (the wgmma / mma.sync A operand straight from the unpacking
         registers), the few x rows (x^T pipelined through shared memory) its N side. Zero and scale apply to the
         fp32 product of a group: acc += (dot(q + OFF, x^T) - (zero + OFF) rowsum(x)) * scale, rowsum(x) being a
-        second dot with a ones operand (the tensor cores are idle at these M)."""
+        second dot with a ones operand (the tensor cores are idle at M <= 16), or (XSUM) read from xs_ptr
+        [M, K / KG] fp32 (sums over each dot's k range), summed before the launch: at M = 64 the ones dot
+        doubles the tensor cores' work."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -440,9 +452,11 @@ if triton is not None:
                 if UPCAST:
                     xv = xv.to(tl.float32)
                 d = _mma(qf, xv, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
-                # rowsum(x) by the idle tensor cores, in d's layout (no cross-thread reduction, no barrier)
-                xs = _mma(tl.full([BLOCK_N, KG], 1.0, qf.dtype), xv, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32),
-                          IEEE)
+                if XSUM:   # [1, BLOCK_M], loaded in d's column layout
+                    xs = tl.load(xs_ptr + rm[None, :] * (K // KG) + kg // KG, mask=m_ok[None, :], other=0.0)
+                else:      # rowsum(x) by the idle tensor cores, in d's layout (no cross-thread reduction, no barrier)
+                    xs = _mma(tl.full([BLOCK_N, KG], 1.0, qf.dtype), xv,
+                              tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
                 acc += (d - z[:, None] * xs) * s[:, None]
         acc = tl.trans(acc)
         mask = m_ok[:, None] & n_ok[None, :]
@@ -667,10 +681,14 @@ def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config) -> torch.Ten
     if cfg.tma and TensorDescriptor is None:
         raise RuntimeError(f"Config.tma needs triton.tools.tensor_descriptor (Triton >= 3.4), not in Triton {triton.__version__}")
     desc = TensorDescriptor.from_tensor(w.packed, [bk // 8, cfg.block_n]) if cfg.tma else None
+    # rowsum(x) over each dot's k range (a group, or the K tile inside one) [M, K / kg], fp32: one reduction kernel
+    kg = min(bk, G)
+    xs = torch.sum(x2.unflatten(1, (K // kg, kg)), -1, dtype=torch.float32) if cfg.xsum else out
     _w4a16_kernel[(grid_n, grid_m, split)](
-        x2, w.packed, desc, w.scales, w.zeros, out, ws, w.counters, M, N, K, G, x2.stride(0), out.stride(0), tiles,
+        x2, w.packed, desc, w.scales, w.zeros, out, ws, w.counters, xs, M, N, K, G, x2.stride(0), out.stride(0),
+        tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, GROUPS=groups, OFF=off,
-        MAGIC_BITS=bits, UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, TMA=cfg.tma,
+        MAGIC_BITS=bits, UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, TMA=cfg.tma, XSUM=cfg.xsum,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
