@@ -321,8 +321,9 @@ def test_softmax_combine_compiles_for_a_chunk_selection():
     code = ("import sys, torch; sys.path.insert(0, 'tests'); from triton_compile_check import _FakeCudaDriver; "
             "from triton.runtime import driver; driver.set_active(_FakeCudaDriver()); "
             "from sketchkv.ops.sketch import _softmax_combine_kernel as K; t = lambda d: torch.empty(64, dtype=d); "
-            "print(*(len(K.warmup(t(torch.float16), t(torch.float32), t(torch.float32), 16, 16, 16, 16, grid=(1,), "
-            "HKV=4, G=96, TOK=1024, SHARED=s, num_warps=4).asm['ttir'].splitlines()) for s in (True, False)))")
+            "print(*(len(K.warmup(t(torch.float16), t(torch.float32), t(torch.float32), t(torch.int32), 0, 16, 16, 16, "
+            "16, grid=(1,), HKV=4, G=96, TOK=1024, SHARED=s, HIST=True, num_warps=4).asm['ttir'].splitlines()) "
+            "for s in (True, False)))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)

@@ -17,6 +17,9 @@ x's columns are contiguous and one dot (K = BLOCK_K) covers the tile. The weight
 group (or holds 2 or 4 whole groups, a dot each), so a group's zero and scale apply to the fp32 product, not to
 every weight (rowsum(x) by a second dot against ones; scales and zeros prefetched a tile ahead):
   acc += (dot(x, q + OFF) - rowsum(x) * (zero + OFF)) * scale
+At M = 64 (an MTP-7 verification step of 8 sequences) the tensor cores are no longer idle and the ones dot doubles
+their work: Config.xsum reads rowsum(x) per dot's k range from a [M, K / KG] fp32 tensor summed by one torch
+reduction before the launch instead (XSUM_MIN_M: from which M config_for turns it on; off until measured).
 OFF = 128 (bf16) / 1024 (fp16) builds the float by OR-ing the nibble into the mantissa of 128.0 / 1024.0
 (Marlin's trick: no conversion instruction); OFF = 0 converts (fp32 activations).
 Split-K: SPLIT_K programs per output tile write fp32 partials; the last to finish (a per-tile counter, reset
