@@ -15,7 +15,6 @@ import json
 import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 

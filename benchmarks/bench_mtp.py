@@ -97,7 +97,6 @@ def profile_steps(llm: LLM, prompts, max_tokens: int, path: str, cached: bool = 
         rng = random.Random(len(prompts))
         prompts = [rng.sample(p, len(p)) for p in prompts]   # not cached
     llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    steps0 = llm.engine.stats.get("steps", 0)
     host = cProfile.Profile()   # Python-level host time: what keeps the GPU waiting between launches
     with profile(activities=acts) as prof:
         host.enable()
