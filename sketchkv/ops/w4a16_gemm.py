@@ -19,7 +19,9 @@ every weight (rowsum(x) by a second dot against ones; scales and zeros prefetche
   acc += (dot(x, q + OFF) - rowsum(x) * (zero + OFF)) * scale
 At M = 64 (an MTP-7 verification step of 8 sequences) the tensor cores are no longer idle and the ones dot doubles
 their work: Config.xsum reads rowsum(x) per dot's k range from a [M, K / KG] fp32 tensor summed by one torch
-reduction before the launch instead (XSUM_MIN_M: from which M config_for turns it on; off until measured).
+reduction before the launch instead (XSUM_MIN_M: from which M config_for turns it on). H100 run 126: per 27B step
+7.47 -> 7.44 ms at M = 8 and 16.30 -> 16.78 at M = 64: the second dot is not what holds M = 64 at a quarter of its
+floor; per shape -7% (gate_up, M = 8) to +17% (o/out, M = 64). Off.
 OFF = 128 (bf16) / 1024 (fp16) builds the float by OR-ing the nibble into the mantissa of 128.0 / 1024.0
 (Marlin's trick: no conversion instruction); OFF = 0 converts (fp32 activations).
 Split-K: SPLIT_K programs per output tile write fp32 partials; the last to finish (a per-tile counter, reset
@@ -236,8 +238,8 @@ TUNED: dict[tuple[int, int, int], Config] = {
 
 
 # From this many rows on, rowsum(x) is summed before the launch (Config.xsum) instead of by a second dot against
-# ones: at M = 64 (MTP-7 verification of 8 sequences) that dot doubles the tensor cores' work. Off until a GPU run of
-# `benchmarks/studies/w4a16_flag.py --flag xsum` decides.
+# ones: at M = 64 (MTP-7 verification of 8 sequences) that dot doubles the tensor cores' work, yet dropping it did not
+# make the 27B step's GEMMs faster (H100 run 126, `benchmarks/studies/w4a16_flag.py --flag xsum`). Off.
 XSUM_MIN_M = 1 << 30
 
 

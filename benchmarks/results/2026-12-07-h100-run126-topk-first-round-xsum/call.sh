@@ -22,3 +22,11 @@ tail -2 $OUT/pytest-topk.txt; tail -2 $OUT/pytest-w4a16.txt; grep -A20 "^# CUDA 
 grep -v Warning $OUT/xsum.txt | grep -E "^\||FAILED" | tail -16 | cut -c1-160
 for m in w4a16 w4a16-topk7 bf16; do echo "== $m"; tail -16 $OUT/$m.txt 2>/dev/null | cut -c1-150; done
 cat $OUT/all.log
+
+# call 2 (same warm machine):
+# . benchmarks/next/preamble.sh; timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tier_engine.py -k read_groups > $OUT/pytest.txt 2>&1
+# timeout 90 python3 benchmarks/studies/topk_launches.py --out $OUT/topk.json > $OUT/topk.txt 2>&1
+# call 3:
+# . benchmarks/next/preamble.sh; B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --model random:qwen3.5-27b-w4a16"
+# PY='import sys; import sketchkv.ops.topk as t; t.SCORING_COUNTS_FIRST_ROUND = sys.argv[1] == "1"; from sketchkv.cli import main; sys.exit(main(sys.argv[2:]))'
+# for f in 0 1 0 1; do timeout 120 python3 -c "$PY" $f $B --steps 16 --out-dir $OUT/r/c$f > $OUT/c$f.txt 2>&1; done
