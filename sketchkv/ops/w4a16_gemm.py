@@ -19,9 +19,9 @@ every weight (rowsum(x) by a second dot against ones; scales and zeros prefetche
   acc += (dot(x, q + OFF) - rowsum(x) * (zero + OFF)) * scale
 At M = 64 (an MTP-7 verification step of 8 sequences) the tensor cores are no longer idle and the ones dot doubles
 their work: Config.xsum reads rowsum(x) per dot's k range from a [M, K / KG] fp32 tensor summed by one torch
-reduction before the launch instead (XSUM_MIN_M: from which M config_for turns it on). H100 run 126: per 27B step
+reduction before the launch instead (a TUNED entry may set it). H100 run 126: per 27B step
 7.47 -> 7.44 ms at M = 8 and 16.30 -> 16.78 at M = 64: the second dot is not what holds M = 64 at a quarter of its
-floor; per shape -7% (gate_up, M = 8) to +17% (o/out, M = 64). Off.
+floor; per shape -7% (gate_up, M = 8) to +17% (o/out, M = 64). No TUNED entry sets it yet.
 OFF = 128 (bf16) / 1024 (fp16) builds the float by OR-ing the nibble into the mantissa of 128.0 / 1024.0
 (Marlin's trick: no conversion instruction); OFF = 0 converts (fp32 activations).
 Split-K: SPLIT_K programs per output tile write fp32 partials; the last to finish (a per-tile counter, reset
@@ -216,7 +216,7 @@ class Config:
     num_stages: int = 4
     magic: bool = True       # nibble -> float by mantissa OR (bf16 / fp16 activations only)
     tma: bool = False        # the words' K tiles by TMA (a host tensor descriptor) instead of cp.async
-    xsum: bool = False       # rowsum(x) per group by one torch reduction before the launch, not a second dot
+    xsum: bool = False       # rowsum(x) per dot's k range by one torch reduction before the launch, not a second dot
 
 
 # (M bucket, N, K) -> Config, from `benchmarks/bench_w4a16_gemm.py --sweep` on an H200; else config_for's rule
@@ -235,12 +235,6 @@ TUNED: dict[tuple[int, int, int], Config] = {
     (8, 5120, 6144): Config(block_m=16, block_n=64, split_k=8, num_warps=4, num_stages=2),
     (64, 5120, 6144): Config(block_m=64, block_n=64, split_k=8, num_warps=4, num_stages=4),
 }
-
-
-# From this many rows on, rowsum(x) is summed before the launch (Config.xsum) instead of by a second dot against
-# ones: at M = 64 (MTP-7 verification of 8 sequences) that dot doubles the tensor cores' work, yet dropping it did not
-# make the 27B step's GEMMs faster (H100 run 126, `benchmarks/studies/w4a16_flag.py --flag xsum`). Off.
-XSUM_MIN_M = 1 << 30
 
 
 def m_bucket(M: int) -> int:
@@ -290,8 +284,6 @@ def config_for(M: int, N: int, K: int, device: torch.device) -> Config:
                      num_stages=3 if bm <= 16 else 4)
     if M <= 16 and _tma_ok(N, device):
         cfg = replace(cfg, tma=True)
-    if M >= XSUM_MIN_M:
-        cfg = replace(cfg, xsum=True)
     return cfg
 
 
