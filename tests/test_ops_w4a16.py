@@ -136,11 +136,13 @@ def test_interp_kernel_matches_reference(dtype, G, sym):
                Config(block_m=32, block_n=64, split_k=2, magic=True),
                Config(block_m=16, block_n=32, split_k=1, magic=True),
                Config(block_m=16, block_n=32, split_k=3, tma=True),   # words by TMA (out-of-range columns: 0)
-               Config(block_m=32, block_n=32, split_k=3, xsum=True)]  # rowsum(x) read, not a second dot
+               Config(block_m=32, block_n=32, split_k=3, xsum=True),  # rowsum(x) read, not a second dot
+               Config(block_m=16, block_n=32, split_k=3, x_major=True),   # x on the MMA's M side
+               Config(block_m=32, block_n=64, split_k=1, x_major=True, xsum=True, magic=False)]
     for M in (1, 5, 17):
         x = torch.randn(M, K, dtype=dtype)
         want = exact(x, q, s, z, G)
-        for cfg in configs if M != 5 else configs[-2:]:
+        for cfg in configs if M != 5 else configs[-4:]:
             got = w4a16_matmul(x, w, cfg)
             assert got.dtype == dtype and got.shape == (M, N)
             torch.testing.assert_close(got.float(), want, **_bf16_tol(dtype), msg=lambda m: f"M={M} {cfg}: {m}")
@@ -159,7 +161,7 @@ def test_interp_tiles_spanning_several_groups(G, block_k):
     x = torch.randn(3, K, dtype=torch.bfloat16)
     want = exact(x, q, s, z, G)
     for cfg in (Config(block_n=32, split_k=1), Config(block_m=8, block_n=32, split_k=2, magic=False),
-                Config(block_n=32, split_k=2, xsum=True)):
+                Config(block_n=32, split_k=2, xsum=True), Config(block_m=16, block_n=32, split_k=2, x_major=True)):
         torch.testing.assert_close(w4a16_matmul(x, w, cfg).float(), want, **_bf16_tol(torch.bfloat16))
     torch.testing.assert_close(dequantize_int4_t(w, torch.bfloat16).t().float(),
                                dequantize_int4(pack_int4(q), s, z, G).float(), rtol=2 ** -7, atol=0)
@@ -313,7 +315,9 @@ def test_gpu_group_sizes_and_configs(G, sym):
         for cfg in (None, Config(block_m=8, block_n=256, split_k=8, magic=False),  # split 16: 40 tiles, 2 splits empty
                     Config(block_m=64, block_n=64, split_k=4), Config(block_m=16, block_n=128, split_k=16),
                     Config(block_m=16, block_n=128, split_k=4, num_stages=4, tma=True),
-                    Config(block_m=64, block_n=64, split_k=2, xsum=True)):
+                    Config(block_m=64, block_n=64, split_k=2, xsum=True),
+                    Config(block_m=64, block_n=128, split_k=1, num_warps=8, x_major=True),
+                    Config(block_m=64, block_n=256, split_k=2, num_warps=8, x_major=True, xsum=True)):
             _check_gpu(w4a16_matmul(x, w, cfg), x, q, s, z, G)
 
 
@@ -325,7 +329,8 @@ def test_gpu_tiles_spanning_several_groups(G, block_k):
     w = prepare_int4_weight(pack_int4(q), s, z, G, block_k=block_k)
     for M in (1, 64, 512):
         x = torch.randn(M, 5120, device="cuda", dtype=torch.bfloat16)
-        for cfg in ((None, Config(block_m=16, block_n=128, split_k=4, magic=False), Config(block_m=64, xsum=True))
+        for cfg in ((None, Config(block_m=16, block_n=128, split_k=4, magic=False), Config(block_m=64, xsum=True),
+                     Config(block_m=64, block_n=128, x_major=True))
                     if M < 512 else (None,)):
             _check_gpu(w4a16_matmul(x, w, cfg), x, q, s, z, G)
     assert not w.counters.any()

@@ -7,6 +7,9 @@
 --flag tma: the words' K tiles loaded by TMA (a host tensor descriptor, cp.async.bulk.tensor into shared memory)
 instead of pointer loads (4-byte cp.async). --flag xsum: rowsum(x) per group summed by one torch reduction
 before the launch instead of a second dot against ones (at M = 64 that dot doubles the tensor cores' work).
+--flag x_major: out = x W^T with the x rows on the MMA's M side and the unpacked weights its N side (staged through
+shared memory by the compiler), rowsum(x) a row reduction: no ones dot, wgmma's B operand from shared memory; also
+tries BLOCK_N 256 with 8 warps (M > 16).
 
 Per shape and M in --rows: the shipped config (TUNED / config_for), the same with the flag flipped, and the
 flipped one over num_stages 2-6 and BLOCK_N x SPLIT_K / num_warps neighbours; each checked against x @ bf16(W)
@@ -40,12 +43,16 @@ def variants(M, N, K, dev, flag, quick=False):
                 out += [flip(base, block_n=bn, split_k=sk, num_stages=s) for s in (3, 5)]
         if M > 16:
             out += [flip(base, num_warps=8, block_n=128, split_k=sk, num_stages=4) for sk in (1, 2)]
+        if M > 16 and flag == "x_major":
+            out += [flip(base, num_warps=8, block_n=256, split_k=sk, num_stages=s) for sk in (1, 2) for s in (3, 4)]
+            out += [flip(base, num_warps=8, block_n=128, split_k=1, num_stages=4, xsum=True),
+                    flip(base, num_warps=4, block_n=128, split_k=1, num_stages=4)]
     return list(dict.fromkeys(out))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--flag", choices=["tma", "xsum"], default="tma", help="the Config field to flip")
+    p.add_argument("--flag", choices=["tma", "xsum", "x_major"], default="tma", help="the Config field to flip")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--l2-bytes", type=float, default=2e9)

@@ -217,6 +217,7 @@ class Config:
     magic: bool = True       # nibble -> float by mantissa OR (bf16 / fp16 activations only)
     tma: bool = False        # the words' K tiles by TMA (a host tensor descriptor) instead of cp.async
     xsum: bool = False       # rowsum(x) per dot's k range by one torch reduction before the launch, not a second dot
+    x_major: bool = False    # x rows on the MMA's M side, the weights its N side (through shared memory): for M >= 32?
 
 
 # (M bucket, N, K) -> Config, from `benchmarks/bench_w4a16_gemm.py --sweep` on an H200; else config_for's rule
@@ -398,7 +399,7 @@ if triton is not None:
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
                       UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
-                      XSUM: tl.constexpr = False):
+                      XSUM: tl.constexpr = False, XM: tl.constexpr = False):
         """Words in shuffle_int4's order (BLOCK_K = the weight's block_k). Per K tile: the [BLOCK_N, KW] words
         (pipelined through shared memory, coalesced along N), then per group of the tile (GROUPS = BLOCK_K / G,
         else 1) its 4 / GROUPS shifts unpacked to [BLOCK_N, BLOCK_K / GROUPS] weights in k order and one dot,
@@ -407,7 +408,9 @@ if triton is not None:
         fp32 product of a group: acc += (dot(q + OFF, x^T) - (zero + OFF) rowsum(x)) * scale, rowsum(x) being a
         second dot with a ones operand (the tensor cores are idle at M <= 16), or (XSUM) read from xs_ptr
         [M, K / KG] fp32 (sums over each dot's k range), summed before the launch: at M = 64 the ones dot
-        doubles the tensor cores' work."""
+        doubles the tensor cores' work. XM (Config.x_major): the other way round, out = x W^T with the x rows
+        on the MMA's M side and the unpacked weights its N side (the compiler stages them through shared
+        memory: the wgmma B operand), rowsum(x) a row reduction of the x tile (or XSUM)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -422,7 +425,10 @@ if triton is not None:
         i = tl.arange(0, KW)
         kk = tl.arange(0, KG)
         x_rows = x_ptr + rm.to(tl.int64) * stride_xm
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
+        if XM:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
         t0 = pid_k * TILES_PER_SPLIT
         t1 = tl.minimum(t0 + TILES_PER_SPLIT, K // BLOCK_K)
         # scales and zeros are loaded a tile ahead (the compiler pipelines only the words and x, through
@@ -445,17 +451,29 @@ if triton is not None:
                 s = _group(s_cur, g, GROUPS)
                 z = _group(z_cur, g, GROUPS) + OFF
                 qf = _unpack(words, g * NS, NS, OFF, MAGIC_BITS, UPCAST, dtype)     # [BLOCK_N, KG]: k = kg + col
-                xv = tl.load(x_rows[None, :] + (kg + kk)[:, None], mask=m_ok[None, :], other=0.0)   # x^T [KG, BLOCK_M]
-                if UPCAST:
-                    xv = xv.to(tl.float32)
-                d = _mma(qf, xv, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
-                if XSUM:   # [1, BLOCK_M], loaded in d's column layout
-                    xs = tl.load(xs_ptr + rm[None, :] * (K // KG) + kg // KG, mask=m_ok[None, :], other=0.0)
-                else:      # rowsum(x) by the idle tensor cores, in d's layout (no cross-thread reduction, no barrier)
-                    xs = _mma(tl.full([BLOCK_N, KG], 1.0, qf.dtype), xv,
-                              tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
-                acc += (d - z[:, None] * xs) * s[:, None]
-        acc = tl.trans(acc)
+                if XM:
+                    xv = tl.load(x_rows[:, None] + (kg + kk)[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, KG]
+                    if UPCAST:
+                        xv = xv.to(tl.float32)
+                    d = _mma(xv, tl.trans(qf), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+                    if XSUM:
+                        xs = tl.load(xs_ptr + rm[:, None] * (K // KG) + kg // KG, mask=m_ok[:, None], other=0.0)
+                    else:
+                        xs = tl.sum(xv.to(tl.float32), axis=1)[:, None]
+                    acc += (d - xs * z[None, :]) * s[None, :]
+                else:
+                    xv = tl.load(x_rows[None, :] + (kg + kk)[:, None], mask=m_ok[None, :], other=0.0)   # x^T [KG, BLOCK_M]
+                    if UPCAST:
+                        xv = xv.to(tl.float32)
+                    d = _mma(qf, xv, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+                    if XSUM:   # [1, BLOCK_M], loaded in d's column layout
+                        xs = tl.load(xs_ptr + rm[None, :] * (K // KG) + kg // KG, mask=m_ok[None, :], other=0.0)
+                    else:      # rowsum(x) by the idle tensor cores, in d's layout (no cross-thread reduction, no barrier)
+                        xs = _mma(tl.full([BLOCK_N, KG], 1.0, qf.dtype), xv,
+                                  tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+                    acc += (d - z[:, None] * xs) * s[:, None]
+        if not XM:
+            acc = tl.trans(acc)
         mask = m_ok[:, None] & n_ok[None, :]
         out = out_ptr + rm[:, None] * stride_om + rn[None, :]
         if SPLIT_K == 1:
@@ -685,7 +703,7 @@ def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config) -> torch.Ten
         x2, w.packed, desc, w.scales, w.zeros, out, ws, w.counters, xs, M, N, K, G, x2.stride(0), out.stride(0),
         tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, GROUPS=groups, OFF=off,
-        MAGIC_BITS=bits, UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, TMA=cfg.tma, XSUM=cfg.xsum,
+        MAGIC_BITS=bits, UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, TMA=cfg.tma, XSUM=cfg.xsum, XM=cfg.x_major,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
