@@ -168,6 +168,22 @@ def test_interp_tiles_spanning_several_groups(G, block_k):
 
 
 @needs_interp
+def test_interp_persistent_programs_loop_over_tiles(monkeypatch):
+    """Config.persistent: fewer programs than (tile, split) items, each looping over them (2 programs for 3 N
+    tiles x 2 row tiles x 3 splits; one SM pretended), the same outputs as one program per item, counters reset."""
+    monkeypatch.setattr(wg, "_num_sms", lambda device: 1)
+    N, K = 40, 384
+    q, s, z = random_int4(N, K, 128, torch.bfloat16, seed=11)
+    w = prepare_int4_weight(pack_int4(q), s, z, 128)
+    x = torch.randn(20, K, dtype=torch.bfloat16)
+    want = exact(x, q, s, z, 128)
+    for cfg in (Config(block_m=16, block_n=16, split_k=3, persistent=2), Config(block_m=16, block_n=16, persistent=1),
+                Config(block_m=16, block_n=16, split_k=2, persistent=3, x_major=True)):
+        torch.testing.assert_close(w4a16_matmul(x, w, cfg).float(), want, **_bf16_tol(torch.bfloat16))
+        assert not w.counters.any(), cfg
+
+
+@needs_interp
 def test_interp_split_k_repeats_identically():
     """The arrival counters reset themselves: the same call twice gives the same bits."""
     q, s, z = random_int4(32, 512, 128, torch.bfloat16, seed=3)
@@ -317,7 +333,9 @@ def test_gpu_group_sizes_and_configs(G, sym):
                     Config(block_m=16, block_n=128, split_k=4, num_stages=4, tma=True),
                     Config(block_m=64, block_n=64, split_k=2, xsum=True),
                     Config(block_m=64, block_n=128, split_k=1, num_warps=8, x_major=True),
-                    Config(block_m=64, block_n=256, split_k=2, num_warps=8, x_major=True, xsum=True)):
+                    Config(block_m=64, block_n=256, split_k=2, num_warps=8, x_major=True, xsum=True),
+                    Config(block_m=16, block_n=128, split_k=4, tma=True, persistent=2),
+                    Config(block_m=16, block_n=64, split_k=8, persistent=1)):
             _check_gpu(w4a16_matmul(x, w, cfg), x, q, s, z, G)
 
 

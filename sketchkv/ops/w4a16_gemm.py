@@ -218,6 +218,7 @@ class Config:
     tma: bool = False        # the words' K tiles by TMA (a host tensor descriptor) instead of cp.async
     xsum: bool = False       # rowsum(x) per dot's k range by one torch reduction before the launch, not a second dot
     x_major: bool = False    # x rows on the MMA's M side, the weights its N side (through shared memory): for M >= 32?
+    persistent: int = 0      # > 0: that many programs per SM, each looping over (tile, split) work items
 
 
 # (M bucket, N, K) -> Config, from `benchmarks/bench_w4a16_gemm.py --sweep` on an H200; else config_for's rule
@@ -395,11 +396,36 @@ if triton is not None:
 
     @triton.jit
     def _w4a16_kernel(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
-                      M, N, K, G, stride_xm, stride_om, TILES_PER_SPLIT,
+                      M, N, K, G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_N, GRID_M,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
                       UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
-                      XSUM: tl.constexpr = False, XM: tl.constexpr = False):
+                      XSUM: tl.constexpr = False, XM: tl.constexpr = False, PERSIST: tl.constexpr = False):
+        """Grid (GRID_N, GRID_M, SPLIT_K): one (output tile, K split) per program; PERSIST (Config.persistent): a
+        1-D grid of fewer programs, each looping over those work items (tile-major, the splits of a tile
+        consecutive), the loops flattened so that the next item's loads are in flight while one finishes."""
+        if PERSIST:
+            total = GRID_N * GRID_M * SPLIT_K
+            for w in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
+                pid_k = w % SPLIT_K
+                pid_n = (w // SPLIT_K) % GRID_N
+                pid_m = w // (SPLIT_K * GRID_N)
+                _w4a16_tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr, M, N, K, G,
+                            stride_xm, stride_om, TILES_PER_SPLIT, GRID_N, pid_n, pid_m, pid_k, BLOCK_M, BLOCK_N,
+                            BLOCK_K, SPLIT_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE, TMA, XSUM, XM)
+        else:
+            _w4a16_tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr, M, N, K, G,
+                        stride_xm, stride_om, TILES_PER_SPLIT, GRID_N, tl.program_id(0), tl.program_id(1),
+                        tl.program_id(2), BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE,
+                        TMA, XSUM, XM)
+
+    @triton.jit
+    def _w4a16_tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
+                    M, N, K, G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_N, pid_n, pid_m, pid_k,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                    GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
+                    UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, XSUM: tl.constexpr,
+                    XM: tl.constexpr):
         """Words in shuffle_int4's order (BLOCK_K = the weight's block_k). Per K tile: the [BLOCK_N, KW] words
         (pipelined through shared memory, coalesced along N), then per group of the tile (GROUPS = BLOCK_K / G,
         else 1) its 4 / GROUPS shifts unpacked to [BLOCK_N, BLOCK_K / GROUPS] weights in k order and one dot,
@@ -411,9 +437,6 @@ if triton is not None:
         doubles the tensor cores' work. XM (Config.x_major): the other way round, out = x W^T with the x rows
         on the MMA's M side and the unpacked weights its N side (the compiler stages them through shared
         memory: the wgmma B operand), rowsum(x) a row reduction of the x tile (or XSUM)."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
         dtype = x_ptr.dtype.element_ty
         KW: tl.constexpr = BLOCK_K // 8
         KG: tl.constexpr = BLOCK_K // GROUPS
@@ -484,7 +507,7 @@ if triton is not None:
             part = ws_ptr + rm[:, None] * N + rn[None, :]
             tl.store(part + pid_k * M * N, acc, mask=mask)
             tl.debug_barrier()
-            tile = pid_m * tl.num_programs(0) + pid_n
+            tile = pid_m * GRID_N + pid_n
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -699,11 +722,14 @@ def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config) -> torch.Ten
     # rowsum(x) over each dot's k range (a group, or the K tile inside one) [M, K / kg], fp32: one reduction kernel
     kg = min(bk, G)
     xs = torch.sum(x2.unflatten(1, (K // kg, kg)), -1, dtype=torch.float32) if cfg.xsum else out
-    _w4a16_kernel[(grid_n, grid_m, split)](
+    items = grid_n * grid_m * split
+    grid = (min(items, cfg.persistent * _num_sms(x2.device)),) if cfg.persistent else (grid_n, grid_m, split)
+    _w4a16_kernel[grid](
         x2, w.packed, desc, w.scales, w.zeros, out, ws, w.counters, xs, M, N, K, G, x2.stride(0), out.stride(0),
-        tiles,
+        tiles, grid_n, grid_m,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, GROUPS=groups, OFF=off,
         MAGIC_BITS=bits, UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, TMA=cfg.tma, XSUM=cfg.xsum, XM=cfg.x_major,
+        PERSIST=cfg.persistent > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
