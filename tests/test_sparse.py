@@ -14,7 +14,7 @@ from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import (dequantize_int4, project_queries, project_queries_ref, quantize_int4,
                                  quantize_query_int8, query_words, query_words_ref, sketch_keys_ref, sketch_score,
                                  sketch_score_dot, sketch_score_dp4a, sketch_score_ref, softmax_combine)
-from sketchkv.ops.selection import SENTINEL, compose_selection, compose_selection_ref
+from sketchkv.ops.selection import SENTINEL, compose_selection, compose_selection_ref, select_top_k
 from sketchkv.ops.sketch_base import apply_sketch_base, row_slots, sketch_base_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
 from sketchkv.ops.topk import (kth_largest_torch, kth_largest_triton, radix_hist_buffer, radix_histograms, topk,
@@ -430,6 +430,29 @@ def test_interp_compose_selection_kernel_matches_reference():
         ref_idx, ref_counts = compose_selection_ref(*args)
         assert torch.equal(idx, ref_idx) and torch.equal(counts, ref_counts)
 
+
+
+@needs_interp
+def test_interp_select_top_k_is_compose_of_topk():
+    """select_top_k (top-k's compaction writing compose_selection's rows): the same idx and counts as the two steps,
+    for scores with -inf at sinks / recent / beyond the sequence, ties across chunks, rows with fewer candidates
+    than k (and none: n <= sinks + recent), one and several selection heads; with the scoring's first radix round."""
+    torch.manual_seed(4)
+    sinks, recent = 8, 16
+    for lens, H, k in (([3, 20, 90, 5000, 4100], 1, 32), ([5, 4700, 64, 2000], 2, 700), ([24, 25, 4500], 3, 1)):
+        N = max(lens)
+        s = torch.round(torch.randn(len(lens), H, N) * 2)
+        t = torch.arange(N)
+        for b, n in enumerate(lens):
+            s[b, :, (t < sinks) | (t >= n - recent)] = float("-inf")
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        want = compose_selection_ref(topk_positions_torch(s, k, SENTINEL), seq_lens, seq_lens, sinks, recent)
+        got = select_top_k(s, k, seq_lens, sinks, recent)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (lens, H, k)
+        hist = radix_histograms(s.view(-1, N), k)
+        hist[1:] = 0
+        got = select_top_k(s, k, seq_lens, sinks, recent, hist=hist)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (lens, H, k, "hist")
 
 def _sketch_write_case(H, D, r, T, device="cpu"):
     g = torch.Generator().manual_seed(H * D + r)

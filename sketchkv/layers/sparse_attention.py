@@ -21,7 +21,7 @@ import torch
 from sketchkv.config import SparseConfig
 from sketchkv.engine.context import get_context
 from sketchkv.layers.attention import Attention
-from sketchkv.ops.selection import SENTINEL, compose_selection
+from sketchkv.ops.selection import SENTINEL, compose_selection, select_top_k
 from sketchkv.ops.sketch import exact_key_scores, project_queries, sketch_score, sketch_write
 from sketchkv.ops.sketch_base import apply_sketch_base
 from sketchkv.ops.prefill_attention import prefix_causal_attention
@@ -119,6 +119,18 @@ class SparseAttention(Attention):
             t = c.sink_tokens + torch.arange(max_len, dtype=torch.int32, device=qg.device)   # compacted, ascending
             cand = t[None] < seq_lens[:, None].to(torch.int32) - c.recent_tokens
             return torch.where(cand, t, SENTINEL)[:, None].expand(B, Hsel, max_len).contiguous()
+        scores, hist = self.selection_scores(qg, block_tables, seq_lens, max_len)
+        picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL, hist=hist)
+        if c.miss_estimate:
+            self.last_miss_estimate = missed_mass_estimate(scores if c.head_combine == "softmax" else scores * self.scale,
+                                                           picks)
+        return picks
+
+    def selection_scores(self, qg, block_tables, seq_lens, max_len: int):
+        """The selector's scores of every position for queries grouped by KV head [B, Hkv, G, D] -> (scores
+        [B, Hsel, max_len], -inf at sinks, recent and beyond the sequence; top-k's first radix round counted by
+        the scoring kernels, or None)."""
+        c = self.cfg
         hist = None   # top-k's first radix round, counted by the scoring kernels as they write the scores
         if c.selector == "exact":  # the oracle: full keys instead of the sketch (evaluation)
             qg = qg.float()
@@ -135,11 +147,7 @@ class SparseAttention(Attention):
                                   kernel=c.score_kernel, radix_hist=hist)
         if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
             scores = reduce_selection_scores(scores, c.head_combine)
-        picks = topk_positions(scores, min(c.top_k, max_len), SENTINEL, hist=hist)
-        if c.miss_estimate:
-            self.last_miss_estimate = missed_mass_estimate(scores if c.head_combine == "softmax" else scores * self.scale,
-                                                           picks)
-        return picks
+        return scores, hist
 
     # ---- prefill_selection=chunk ------------------------------------------------------------------------
     def prefill(self, q, k, v, block_table, cached: int, rows: slice) -> torch.Tensor:
@@ -196,6 +204,11 @@ class SparseAttention(Attention):
             picks = self.pick(q[lead], block_tables[lead], seq_lens[lead], max_len)[group]
             return compose_selection(picks, seq_lens, seq_lens[lead][group], c.sink_tokens, c.recent_tokens,
                                      self.verify_extra)
+        if not c.miss_estimate and not self.dense_layer:   # top-k's compaction writes the composed rows
+            B, G = q.shape[0], self.num_heads // self.num_kv_heads
+            scores, hist = self.selection_scores(q.view(B, self.num_kv_heads, G, self.head_dim),
+                                                 block_tables, seq_lens, max_len)
+            return select_top_k(scores, min(c.top_k, max_len), seq_lens, c.sink_tokens, c.recent_tokens, hist)
         picks = self.pick(q, block_tables, seq_lens, max_len)
         if c.miss_estimate and ctx.verify is None:   # (verification steps are not recorded)
             self.record_miss(None if self.dense_layer else self.last_miss_estimate, q.shape[0])

@@ -9,11 +9,15 @@ For each row b (and selection head h) with context n = seq_lens[b]:
 -> idx [B, H, S + k + R + extra] int32, valid entries first (ascending), SENTINEL after; counts [B] (head 0).
 The three groups are disjoint and already ordered, so compaction is all that is left: the reference
 concatenates and sorts, the Triton kernel writes each group at its offset (one launch instead of ~12
-small kernels and a segmented sort per layer and step).
+small kernels and a segmented sort per layer and step). `select_top_k` goes one launch further for a plain
+decode step (n_lead = n, extra = 0): top-k's compaction kernel writes these rows itself (topk_positions'
+compose), so no picks tensor and no compose kernel.
 """
 import os
 
 import torch
+
+from sketchkv.ops.topk import topk_positions, topk_positions_triton
 
 try:
     import triton
@@ -84,3 +88,12 @@ def compose_selection(picks, seq_lens, n_lead, sinks: int, recent: int, extra: i
     if triton is not None and (picks.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return compose_selection_triton(picks, seq_lens, n_lead, sinks, recent, extra)
     return compose_selection_ref(picks, seq_lens, n_lead, sinks, recent, extra)
+
+
+def select_top_k(scores, k: int, seq_lens, sinks: int, recent: int, hist=None):
+    """compose_selection(topk_positions(scores, k, SENTINEL, hist), seq_lens, seq_lens, sinks, recent) for scores
+    [B, H, N] (sinks and recent at -inf): the same (idx, counts). Triton: top-k's compaction writes the composed rows
+    (one kernel less per layer and step); otherwise the two steps."""
+    if triton is not None and (scores.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return topk_positions_triton(scores, k, SENTINEL, hist=hist, compose=(seq_lens.contiguous(), sinks, recent))
+    return compose_selection(topk_positions(scores, k, SENTINEL, hist=hist), seq_lens, seq_lens, sinks, recent)

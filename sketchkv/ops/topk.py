@@ -120,10 +120,14 @@ if triton is not None:
 
     @triton.jit
     def _compact_kernel(s_ptr, kth_ptr, hist_ptr, cnt_ptr, out_ptr, N, K, rows, fill, stride_s, stride_o,
-                        CH: tl.constexpr, NCP: tl.constexpr, FROM_HIST: tl.constexpr):
+                        lens_ptr, sel_counts_ptr, H, sinks, recent,
+                        CH: tl.constexpr, NCP: tl.constexpr, FROM_HIST: tl.constexpr, COMPOSE: tl.constexpr = False):
         # every score above the k-th value is taken, equal ones in position order until `need` = k - (all
         # above); each chunk writes its picks after those of the chunks before it (it sums their counts: a
-        # row has at most NCP chunks), and chunk 0 pads the row's untaken tail with `fill`
+        # row has at most NCP chunks), and chunk 0 pads the row's untaken tail with `fill`.
+        # COMPOSE (selection.select_top_k): rows are (sequence b = row // H, selection head); the row of out
+        # (stride_o = sinks + K + recent) is compose_selection's: the sinks, the picks, the recent window, `fill`
+        # after; chunk 0 writes all but the picks, and head 0 the sequence's count to sel_counts_ptr [B]
         row, chunk = tl.program_id(0), tl.program_id(1)
         kth = _kth_value(kth_ptr, hist_ptr, row, rows, K, FROM_HIST)
         offs, gt, eq = _above_kth(s_ptr, kth, row, chunk, N, stride_s, CH)
@@ -137,12 +141,28 @@ if triton is not None:
         need = K - tl.sum(gts, 0)
         take = gt | (eq & (eq_before + tl.cumsum(eq.to(tl.int32), 0) <= need))
         col = gt_before + tl.minimum(eq_before, tl.maximum(need, 0)) + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(out_ptr + row * stride_o + col, offs, mask=take & (col < K))
+        if COMPOSE:
+            n = tl.maximum(tl.load(lens_ptr + row // H), 0)
+            s_cnt = tl.minimum(n, sinks)
+            start = tl.maximum(n - recent, sinks)
+            r_cnt = tl.minimum(tl.maximum(n - start, 0), recent)
+        else:
+            s_cnt = 0
+        tl.store(out_ptr + row * stride_o + s_cnt + col, offs, mask=take & (col < K))
         if chunk == 0:
             taken = tl.minimum(tl.sum(gts, 0) + tl.minimum(tl.sum(eqs, 0), tl.maximum(need, 0)), K)
-            for t in range(0, K, CH):
-                j = t + tl.arange(0, CH)
-                tl.store(out_ptr + row * stride_o + j, tl.full([CH], fill, tl.int32), mask=(j >= taken) & (j < K))
+            if COMPOSE:
+                for t in range(0, stride_o, CH):
+                    j = t + tl.arange(0, CH)
+                    r = j - s_cnt - taken              # index in the recent window
+                    v = tl.where(j < s_cnt, j, tl.where(r < r_cnt, start + r, fill))
+                    tl.store(out_ptr + row * stride_o + j, v, mask=((j < s_cnt) | (r >= 0)) & (j < stride_o))
+                if row % H == 0:
+                    tl.store(sel_counts_ptr + row // H, s_cnt + taken + r_cnt)
+            else:
+                for t in range(0, K, CH):
+                    j = t + tl.arange(0, CH)
+                    tl.store(out_ptr + row * stride_o + j, tl.full([CH], fill, tl.int32), mask=(j >= taken) & (j < K))
 
     @triton.jit
     def _radix_hist_kernel(s_ptr, hist_ptr, N, rows, k0, iters, programs, stride_s, SHIFT: tl.constexpr,
@@ -231,11 +251,12 @@ def kth_largest_triton(s: torch.Tensor, k: int) -> torch.Tensor:
     return kth
 
 
-def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None, hist=None) -> torch.Tensor:
+def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None, hist=None, compose=None):
     """kth: a function giving the k-th values (kth_largest_torch, kth_largest_triton: the same); by default the
     count and compaction kernels read the k-th value out of radix_histograms' rounds themselves (7 launches: a
     memset, 4 histogram passes, count, compaction; it was 11 with a pick kernel after each round; 5 with `hist`,
-    round 0 counted by the kernel that wrote the scores)."""
+    round 0 counted by the kernel that wrote the scores). compose = (seq_lens [B], sinks, recent), scores
+    [B, H, N]: the compaction writes compose_selection's rows instead (selection.select_top_k) -> (idx, counts)."""
     N = scores.shape[-1]
     s = scores.reshape(-1, N).float().contiguous()
     rows = s.shape[0]
@@ -249,9 +270,19 @@ def topk_positions_triton(scores: torch.Tensor, k: int, fill: int, kth=None, his
     counts = torch.empty(rows, grid[1], 2, dtype=torch.int32, device=s.device)
     from_hist = kth is None
     _count_kernel[grid](s, kth_t, hist, counts, N, k, rows, s.stride(0), CH=CH, FROM_HIST=from_hist)
-    out = torch.empty(rows, k, dtype=torch.int32, device=s.device)
-    _compact_kernel[grid](s, kth_t, hist, counts, out, N, k, rows, fill, s.stride(0), out.stride(0), CH=CH,
-                          NCP=max(16, triton.next_power_of_2(grid[1])), FROM_HIST=from_hist)
+    if compose is None:
+        out = torch.empty(rows, k, dtype=torch.int32, device=s.device)
+        lens, sel_counts, H, sinks, recent = counts, counts, 1, 0, 0     # (unused)
+    else:
+        lens, sinks, recent = compose
+        B, H = scores.shape[0], scores.shape[1]
+        out = torch.empty(rows, sinks + k + recent, dtype=torch.int32, device=s.device)
+        sel_counts = torch.empty(B, dtype=torch.int32, device=s.device)
+    _compact_kernel[grid](s, kth_t, hist, counts, out, N, k, rows, fill, s.stride(0), out.stride(0), lens,
+                          sel_counts, H, sinks, recent, CH=CH, NCP=max(16, triton.next_power_of_2(grid[1])),
+                          FROM_HIST=from_hist, COMPOSE=compose is not None)
+    if compose is not None:
+        return out.view(B, H, -1), sel_counts
     return out.view(*scores.shape[:-1], k)
 
 
