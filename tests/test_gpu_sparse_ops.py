@@ -159,6 +159,20 @@ def test_gpu_topk_first_round_counted_by_scoring(kernel, combine, shared):
         assert torch.equal(topk_positions(out, 2048, SENTINEL, hist=hist), topk_positions(out, 2048, SENTINEL))
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_gpu_select_top_k_is_compose_of_topk(shared):
+    """The engine's plain decode selection at 8 x 250K: top-k's compaction writing the composed rows (sinks, picks,
+    recent) equals compose_selection of the picks, from the softmax scores and their counted first round."""
+    from sketchkv.ops.selection import compose_selection, select_top_k
+    q, packed, scale, geo = _sketch_250k(15)
+    n = geo[1].shape[0] * (1 if shared else HKV)
+    hist = radix_hist_buffer(n, q.device)
+    out = sketch_score(q, packed, scale, *geo, shared, "softmax", D ** -0.5, kernel="dot", radix_hist=hist)
+    want = compose_selection(topk_positions(out, 2048, SENTINEL), geo[1], geo[1], geo[2], geo[3])
+    got = select_top_k(out, 2048, geo[1], geo[2], geo[3], hist=hist)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_sparse_attention_250k(dtype):
     gen = torch.Generator().manual_seed(13)
