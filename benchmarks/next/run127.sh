@@ -6,7 +6,7 @@
 # bf16 ratio on this machine (on an H200: never measured in one run). MTP-7 verification is call 2. Issue 39 first:
 # the W4A16 GEMM with x on the MMA's M side (Config.x_major) at M = 64, the MTP-7 step's rows (27% of the floor now),
 # and persistent programs (Config.persistent) at M = 8.
-# run(command="END=585 bash benchmarks/next/run127.sh", carry=[".whl"], timeout_s=595)
+# run(command="END=585 bash benchmarks/next/run127.sh", carry=[".whl"], timeout_s=595); call 2: run127b.sh
 . benchmarks/next/preamble.sh
 END=${END:-585}
 at() { echo $(( $1 < END ? $1 : END )); }
@@ -29,6 +29,7 @@ for f in 0 1; do i=$((i + 1))
   else timeout $(left $(at $((275 + 60 * i)))) python3 -c "$PY" $f $B --out-dir $OUT/r/x$f-$i > $OUT/s$i-xsum$f.txt 2>&1; mark xsum$f-$i $?; fi
 done
 L=$(left $END); [ $L -gt 60 ] && { timeout $L python3 -m sketchkv ${B/-w4a16/} --out-dir $OUT/r/bf16 > $OUT/bf16.txt 2>&1; mark bf16 $?; }
+mkdir -p /tmp/r127 && cp $OUT/r/xm/*.json $OUT/r/pers/*.json /tmp/r127/ 2>/dev/null   # for call 2
 tar czf $OUT/r.tgz -C $OUT r && rm -rf $OUT/r
 tail -2 $OUT/pytest-sel.txt; grep -E "H2D|N=" $OUT/rows.txt | cut -c1-140; grep -v Warning $OUT/xm.txt | grep -E "^\||FAILED|M=64" | tail -14 | cut -c1-230; grep -v Warning $OUT/pers.txt | grep -E "^\||FAILED|M=8" | tail -14 | cut -c1-230
 for f in $OUT/s*.txt $OUT/bf16.txt; do echo "$(basename $f): $(grep -E 'step ms|tok/s|floor' $f | tr -s ' ' | tr '\n' ';' | cut -c1-150)"; done
