@@ -184,6 +184,35 @@ def test_interp_persistent_programs_loop_over_tiles(monkeypatch):
 
 
 @needs_interp
+def test_interp_mixed_weight_one_launch(monkeypatch):
+    """A MixedWeight (int4 columns, then bf16 rows: the GDN in_proj of a checkpoint that keeps b / a unquantized) in
+    one launch: the int4 columns as the int4 GEMM alone, the tail as x @ dense^T; split-K, x_major, persistent, a tail
+    of several tiles and one partial tile; fuse.linear_split gives the same pieces."""
+    from sketchkv.models.fuse import linear_split
+    from sketchkv.ops.w4a16_gemm import MixedWeight, mixed_in_one_launch
+    monkeypatch.setattr(wg, "_num_sms", lambda device: 1)
+    N, K, ND = 40, 384, 24
+    q, s, z = random_int4(N, K, 128, torch.bfloat16, seed=21)
+    w = prepare_int4_weight(pack_int4(q), s, z, 128)
+    dense = (torch.randn(ND, K) * 0.05).to(torch.bfloat16)
+    mw = MixedWeight(w, dense)
+    for M in (1, 6, 20):
+        x = torch.randn(M, K, dtype=torch.bfloat16)
+        assert mixed_in_one_launch(x, mw)
+        want = torch.cat([exact(x, q, s, z, 128), x.float() @ dense.float().t()], -1)
+        for cfg in (None, Config(block_m=16, block_n=16, split_k=3), Config(block_m=8, block_n=32, split_k=1),
+                    Config(block_m=16, block_n=16, split_k=2, x_major=True),
+                    Config(block_m=16, block_n=16, split_k=3, persistent=2)):
+            got = w4a16_matmul(x, mw, cfg)
+            assert got.shape == (M, N + ND)
+            torch.testing.assert_close(got.float(), want, **_bf16_tol(torch.bfloat16), msg=lambda m: f"{M} {cfg}: {m}")
+            assert not w.counters.any(), cfg
+        pieces = linear_split(x, mw, [30, 10, 12, 12])
+        for got, ref in zip(pieces, w4a16_matmul(x, mw).split([30, 10, 12, 12], -1)):
+            assert torch.equal(got, ref)
+
+
+@needs_interp
 def test_interp_split_k_repeats_identically():
     """The arrival counters reset themselves: the same call twice gives the same bits."""
     q, s, z = random_int4(32, 512, 128, torch.bfloat16, seed=3)

@@ -11,7 +11,7 @@ from conftest import _tokenizer_files, last_logits, make_checkpoint
 from sketchkv import LLM, SamplingParams
 from sketchkv.errors import CheckpointError
 from sketchkv.models.quantized import Int4Format, canonical, int4_format, int4_parts
-from sketchkv.ops.w4a16_gemm import dequantize_int4
+from sketchkv.ops.w4a16_gemm import MixedWeight, dequantize_int4
 
 transformers = pytest.importorskip("transformers")
 
@@ -212,8 +212,8 @@ def test_int4_layers_are_int4_and_the_rest_stays_dense(ct_ckpt):
     assert isinstance(gdn.in_proj_qkv, Int4Linear) and isinstance(m.model.layers[0].mlp.down_proj, Int4Linear)
     assert isinstance(attn.q_proj, Int4Linear) and attn.q_proj.fused and attn.o_proj.int4 is not None
     assert type(m.lm_head) is torch.nn.Linear and type(gdn.in_proj_b) is torch.nn.Linear  # b: N=4 (< 8) -> dense
-    assert isinstance(gdn.in_proj, tuple)  # int4 [qkv; z] + dense [b; a]
-    # the mixed weight runs as two GEMMs split on their own: the same pieces as the concatenation's split
+    assert isinstance(gdn.in_proj, MixedWeight)  # int4 [qkv; z] + dense [b; a]
+    # on a CPU the mixed weight runs as two GEMMs split on their own: the same pieces as the concatenation's split
     from sketchkv.models.fuse import linear, linear_split
     x = torch.randn(3, gdn.in_proj_qkv.in_features)
     sizes = [gdn.conv_dim, gdn.value_dim, gdn.num_v_heads, gdn.num_v_heads]
@@ -441,7 +441,7 @@ def _fused_slice_weight(model, name, lin):
         fused = getattr(parent, attr, None)
         if fused is None or name.rpartition(".")[2] not in members:
             continue
-        w = fused[0] if isinstance(fused, tuple) else fused
+        w = fused.int4 if isinstance(fused, MixedWeight) else fused
         full = dequantize_prepared(w, torch.bfloat16)
         start = 0
         for m in members:

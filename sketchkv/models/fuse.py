@@ -7,23 +7,24 @@ fused weight), so names, checkpoints and fingerprints are unchanged and no memor
 
 A fused weight is a tensor (bf16 linears), an Int4Weight (int4 linears, layers/int4_linear.py: the
 canonical tensors concatenated along N) or, where a checkpoint mixes the two in one group (int4 GDN
-q/k/v/z with bf16 gates b/a), a tuple of both, run as two GEMMs; `linear(x, w)` runs any of them.
+q/k/v/z with bf16 gates b/a), a MixedWeight (int4 columns first: one launch of the W4A16 kernel at decode
+sizes on the GPU, two GEMMs elsewhere) or a tuple (any other mix: a GEMM per part); `linear(x, w)` runs any of them.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sketchkv.layers.int4_linear import Int4Linear
-from sketchkv.ops.w4a16_gemm import Int4Weight, prepare_int4_weight, w4a16_matmul
+from sketchkv.ops.w4a16_gemm import Int4Weight, MixedWeight, mixed_in_one_launch, prepare_int4_weight, w4a16_matmul
 
-FusedWeight = torch.Tensor | Int4Weight | tuple
+FusedWeight = torch.Tensor | Int4Weight | MixedWeight | tuple
 
 
 def linear(x: torch.Tensor, w: FusedWeight) -> torch.Tensor:
     """x @ W.T of a fused weight."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
-    if isinstance(w, Int4Weight):
+    if isinstance(w, (Int4Weight, MixedWeight)):
         return w4a16_matmul(x, w)
     return torch.cat([linear(x, part) for part in w], dim=-1)
 
@@ -31,6 +32,8 @@ def linear(x: torch.Tensor, w: FusedWeight) -> torch.Tensor:
 def linear_split(x: torch.Tensor, w: FusedWeight, sizes: list[int]) -> list[torch.Tensor]:
     """linear(x, w).split(sizes, dim=-1), without the concatenation of a mixed weight: each GEMM's output is
     split on its own (one kernel less per layer and step; the sizes must not straddle two parts)."""
+    if isinstance(w, MixedWeight) and not mixed_in_one_launch(x, w):
+        w = (w.int4, w.dense)
     if not isinstance(w, tuple):
         return list(linear(x, w).split(sizes, dim=-1))
     out, i = [], 0
@@ -48,7 +51,7 @@ def linear_split(x: torch.Tensor, w: FusedWeight, sizes: list[int]) -> list[torc
 def _out_features(w: FusedWeight) -> int:
     if isinstance(w, tuple):
         return sum(_out_features(part) for part in w)
-    return w.out_features if isinstance(w, Int4Weight) else w.shape[0]
+    return w.out_features if isinstance(w, (Int4Weight, MixedWeight)) else w.shape[0]
 
 
 def fuse_linears(linears: list[nn.Module]) -> FusedWeight | None:
@@ -63,6 +66,8 @@ def fuse_linears(linears: list[nn.Module]) -> FusedWeight | None:
         else:
             runs.append([lin])
     fused = [_fuse_int4(run) if isinstance(run[0], Int4Linear) else _fuse_dense(run) for run in runs]
+    if len(fused) == 2 and isinstance(fused[0], Int4Weight) and isinstance(fused[1], torch.Tensor):
+        return MixedWeight(*fused)
     return fused[0] if len(fused) == 1 else tuple(fused)
 
 

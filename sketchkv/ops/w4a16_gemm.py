@@ -395,56 +395,100 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _w4a16_kernel(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
-                      M, N, K, G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_N, GRID_M,
+    def _w4a16_kernel(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, d_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
+                      M, N, N_D, K, G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_NQ, GRID_N, GRID_M,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
                       UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
-                      XSUM: tl.constexpr = False, XM: tl.constexpr = False, PERSIST: tl.constexpr = False):
+                      XSUM: tl.constexpr = False, XM: tl.constexpr = False, PERSIST: tl.constexpr = False,
+                      DENSE: tl.constexpr = False):
         """Grid (GRID_N, GRID_M, SPLIT_K): one (output tile, K split) per program; PERSIST (Config.persistent): a
         1-D grid of fewer programs, each looping over those work items (tile-major, the splits of a tile
-        consecutive), the loops flattened so that the next item's loads are in flight while one finishes."""
+        consecutive), the loops flattened so that the next item's loads are in flight while one finishes.
+        DENSE: output tiles GRID_NQ.. are a mixed weight's bf16 tail (d_ptr [N_D, K], out columns N..; see _tile)."""
         if PERSIST:
             total = GRID_N * GRID_M * SPLIT_K
             for w in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
                 pid_k = w % SPLIT_K
                 pid_n = (w // SPLIT_K) % GRID_N
                 pid_m = w // (SPLIT_K * GRID_N)
-                _w4a16_tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr, M, N, K, G,
-                            stride_xm, stride_om, TILES_PER_SPLIT, GRID_N, pid_n, pid_m, pid_k, BLOCK_M, BLOCK_N,
-                            BLOCK_K, SPLIT_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE, TMA, XSUM, XM)
+                _tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, d_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr, M, N, N_D, K,
+                      G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_NQ, GRID_N, pid_n, pid_m, pid_k, BLOCK_M,
+                      BLOCK_N, BLOCK_K, SPLIT_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE, TMA, XSUM, XM, DENSE)
         else:
-            _w4a16_tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr, M, N, K, G,
-                        stride_xm, stride_om, TILES_PER_SPLIT, GRID_N, tl.program_id(0), tl.program_id(1),
-                        tl.program_id(2), BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE,
-                        TMA, XSUM, XM)
+            _tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, d_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr, M, N, N_D, K, G,
+                  stride_xm, stride_om, TILES_PER_SPLIT, GRID_NQ, GRID_N, tl.program_id(0), tl.program_id(1),
+                  tl.program_id(2), BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE,
+                  TMA, XSUM, XM, DENSE)
 
     @triton.jit
-    def _w4a16_tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
-                    M, N, K, G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_N, pid_n, pid_m, pid_k,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                    GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
-                    UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, XSUM: tl.constexpr,
-                    XM: tl.constexpr):
-        """Words in shuffle_int4's order (BLOCK_K = the weight's block_k). Per K tile: the [BLOCK_N, KW] words
-        (pipelined through shared memory, coalesced along N), then per group of the tile (GROUPS = BLOCK_K / G,
-        else 1) its 4 / GROUPS shifts unpacked to [BLOCK_N, BLOCK_K / GROUPS] weights in k order and one dot,
-        out^T = W x^T: the weight is the MMA's M side (the wgmma / mma.sync A operand straight from the unpacking
-        registers), the few x rows (x^T pipelined through shared memory) its N side. Zero and scale apply to the
-        fp32 product of a group: acc += (dot(q + OFF, x^T) - (zero + OFF) rowsum(x)) * scale, rowsum(x) being a
-        second dot with a ones operand (the tensor cores are idle at M <= 16), or (XSUM) read from xs_ptr
-        [M, K / KG] fp32 (sums over each dot's k range), summed before the launch: at M = 64 the ones dot
-        doubles the tensor cores' work. XM (Config.x_major): the other way round, out = x W^T with the x rows
-        on the MMA's M side and the unpacked weights its N side (the compiler stages them through shared
-        memory: the wgmma B operand), rowsum(x) a row reduction of the x tile (or XSUM)."""
+    def _tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, d_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
+              M, N, N_D, K, G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_NQ, GRID_N, pid_n, pid_m, pid_k,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+              GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr, UPCAST: tl.constexpr,
+              IEEE: tl.constexpr, TMA: tl.constexpr, XSUM: tl.constexpr, XM: tl.constexpr, DENSE: tl.constexpr):
+        """One (output tile, K split): the int4 columns' (_int4_acc) or, for tiles from GRID_NQ on, the bf16 tail's
+        (_dense_acc: a mixed fused weight's unquantized rows, e.g. the GDN gates b / a next to int4 q/k/v/z, in the
+        same launch instead of a cuBLAS GEMM and its split-K reduction); then the output or the split-K partial.
+        Split-K: fp32 partial to ws[pid_k] ([SPLIT_K, M, N + N_D]); the last of the tile's SPLIT_K programs sums
+        them in split order (deterministic bits) and resets the tile's counter to 0 for the next call."""
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        t0 = pid_k * TILES_PER_SPLIT
+        t1 = tl.minimum(t0 + TILES_PER_SPLIT, K // BLOCK_K)
+        if not DENSE or pid_n < GRID_NQ:
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = rn < N
+            acc = _int4_acc(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, xs_ptr, rm, rn, m_ok, n_ok, N, K, G, stride_xm,
+                            t0, t1, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE, TMA,
+                            XSUM, XM)
+            col = rn
+        else:
+            rn = (pid_n - GRID_NQ) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = rn < N_D
+            acc = _dense_acc(x_ptr, d_ptr, rm, rn, m_ok, n_ok, K, stride_xm, t0, t1, BLOCK_M, BLOCK_N, BLOCK_K,
+                             UPCAST, IEEE, XM)
+            col = N + rn
+        mask = m_ok[:, None] & n_ok[None, :]
+        out = out_ptr + rm[:, None] * stride_om + col[None, :]
+        if SPLIT_K == 1:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            NO = N + N_D
+            part = ws_ptr + rm[:, None] * NO + col[None, :]
+            tl.store(part + pid_k * M * NO, acc, mask=mask)
+            tl.debug_barrier()
+            tile = pid_m * GRID_N + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for sk in range(SPLIT_K):
+                    other = tl.load(part + sk * M * NO, mask=mask & (sk != pid_k), other=0.0, cache_modifier=".cg")
+                    total += tl.where(sk == pid_k, acc, other)
+                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+
+    @triton.jit
+    def _int4_acc(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, xs_ptr, rm, rn, m_ok, n_ok, N, K, G, stride_xm, t0, t1,
+                  pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr, UPCAST: tl.constexpr,
+                  IEEE: tl.constexpr, TMA: tl.constexpr, XSUM: tl.constexpr, XM: tl.constexpr):
+        """x [rm] times the int4 columns rn over K tiles t0 .. t1 -> fp32 [BLOCK_M, BLOCK_N]. Words in shuffle_int4's
+        order (BLOCK_K = the weight's block_k). Per K tile: the [BLOCK_N, KW] words (pipelined through shared memory,
+        coalesced along N), then per group of the tile (GROUPS = BLOCK_K / G, else 1) its 4 / GROUPS shifts
+        unpacked to [BLOCK_N, BLOCK_K / GROUPS] weights in k order and one dot, out^T = W x^T: the weight is the
+        MMA's M side (the wgmma / mma.sync A operand straight from the unpacking registers), the few x rows (x^T
+        pipelined through shared memory) its N side. Zero and scale apply to the fp32 product of a group:
+        acc += (dot(q + OFF, x^T) - (zero + OFF) rowsum(x)) * scale, rowsum(x) being a second dot with a ones
+        operand (the tensor cores are idle at M <= 16), or (XSUM) read from xs_ptr [M, K / KG] fp32 (sums over
+        each dot's k range), summed before the launch: at M = 64 the ones dot doubles the tensor cores' work.
+        XM (Config.x_major): the other way round, out = x W^T with the x rows on the MMA's M side and the unpacked
+        weights its N side (the compiler stages them through shared memory: the wgmma B operand), rowsum(x) a
+        row reduction of the x tile (or XSUM)."""
         dtype = x_ptr.dtype.element_ty
         KW: tl.constexpr = BLOCK_K // 8
         KG: tl.constexpr = BLOCK_K // GROUPS
         NS: tl.constexpr = 4 // GROUPS
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = rm < M
-        n_ok = rn < N
         i = tl.arange(0, KW)
         kk = tl.arange(0, KG)
         x_rows = x_ptr + rm.to(tl.int64) * stride_xm
@@ -452,8 +496,6 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
-        t0 = pid_k * TILES_PER_SPLIT
-        t1 = tl.minimum(t0 + TILES_PER_SPLIT, K // BLOCK_K)
         # scales and zeros are loaded a tile ahead (the compiler pipelines only the words and x, through
         # shared memory): their DRAM latency would otherwise stall every tile
         t_nx = tl.minimum(t0, t1 - 1)  # an empty split (t0 >= t1 = K / BLOCK_K) reads a valid row, unused
@@ -497,25 +539,41 @@ if triton is not None:
                     acc += (d - z[:, None] * xs) * s[:, None]
         if not XM:
             acc = tl.trans(acc)
-        mask = m_ok[:, None] & n_ok[None, :]
-        out = out_ptr + rm[:, None] * stride_om + rn[None, :]
-        if SPLIT_K == 1:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        return acc
+
+    @triton.jit
+    def _dense_acc(x_ptr, d_ptr, rm, rn, m_ok, n_ok, K, stride_xm, t0, t1, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                   XM: tl.constexpr):
+        """x [rm] times the bf16 rows rn of d_ptr [N_D, K] over K tiles t0 .. t1 -> fp32 [BLOCK_M, BLOCK_N], in steps
+        of 32 k: its pipelined [BLOCK_N, 32] tiles (8 KB at BLOCK_N 128) need no more shared memory than the int4
+        path's (the compiler lays both branches' buffers over each other), so the int4 programs keep their occupancy."""
+        DK: tl.constexpr = 32
+        k = tl.arange(0, DK)
+        x_rows = x_ptr + rm.to(tl.int64) * stride_xm
+        w_rows = d_ptr + rn.to(tl.int64) * K
+        if XM:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         else:
-            # fp32 partial to ws[pid_k]; the last of the tile's SPLIT_K programs sums them and resets the
-            # tile's counter to 0 for the next call
-            part = ws_ptr + rm[:, None] * N + rn[None, :]
-            tl.store(part + pid_k * M * N, acc, mask=mask)
-            tl.debug_barrier()
-            tile = pid_m * GRID_N + pid_n
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for sk in range(SPLIT_K):  # in split order, whoever arrives last: deterministic bits
-                    other = tl.load(part + sk * M * N, mask=mask & (sk != pid_k), other=0.0, cache_modifier=".cg")
-                    total += tl.where(sk == pid_k, acc, other)
-                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(cnt_ptr + tile, 0)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(t0 * BLOCK_K, t1 * BLOCK_K, DK):
+            kt = k0 + k
+            w = tl.load(w_rows[:, None] + kt[None, :], mask=n_ok[:, None], other=0.0)             # [BLOCK_N, BLOCK_K]
+            if UPCAST:
+                w = w.to(tl.float32)
+            if XM:
+                xv = tl.load(x_rows[:, None] + kt[None, :], mask=m_ok[:, None], other=0.0)
+                if UPCAST:
+                    xv = xv.to(tl.float32)
+                acc = _mma(xv, tl.trans(w), acc, IEEE)
+            else:
+                xv = tl.load(x_rows[None, :] + kt[:, None], mask=m_ok[None, :], other=0.0)
+                if UPCAST:
+                    xv = xv.to(tl.float32)
+                acc = _mma(w, xv, acc, IEEE)
+        if not XM:
+            acc = tl.trans(acc)
+        return acc
 
     @triton.jit
     def _bytes_to_f32(words, ASM: tl.constexpr):
@@ -702,19 +760,22 @@ def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config) -> torch.Tensor:
-    """The GEMM kernel on a 2-D, row-contiguous x [M, K] with config cfg."""
+def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config, dense: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMM kernel on a 2-D, row-contiguous x [M, K] with config cfg; dense [N_D, K] (x's dtype, contiguous):
+    a mixed weight's bf16 rows, output columns N.. of the same launch."""
     M, K = x2.shape
     N, G, bk = w.out_features, w.group_size, w.block_k
+    n_d = 0 if dense is None else dense.shape[0]
     groups = max(1, bk // G)
     magic = cfg.magic and x2.dtype in (torch.bfloat16, torch.float16)
-    grid_n, grid_m = triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m)
+    grid_nq, grid_m = triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m)
+    grid_n = grid_nq + triton.cdiv(n_d, cfg.block_n)
     split = min(cfg.split_k, K // bk)
     if grid_n * grid_m > w.counters.numel():
         split = 1
     tiles = triton.cdiv(K // bk, split)
-    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    ws = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
+    out = torch.empty(M, N + n_d, dtype=x2.dtype, device=x2.device)
+    ws = torch.empty(split, M, N + n_d, dtype=torch.float32, device=x2.device) if split > 1 else out
     off, bits = ((128, 0x4300) if x2.dtype == torch.bfloat16 else (1024, 0x6400)) if magic else (0, 0)
     if cfg.tma and TensorDescriptor is None:
         raise RuntimeError(f"Config.tma needs triton.tools.tensor_descriptor (Triton >= 3.4), not in Triton {triton.__version__}")
@@ -724,9 +785,11 @@ def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config) -> torch.Ten
     xs = torch.sum(x2.unflatten(1, (K // kg, kg)), -1, dtype=torch.float32) if cfg.xsum else out
     items = grid_n * grid_m * split
     grid = (min(items, cfg.persistent * _num_sms(x2.device)),) if cfg.persistent else (grid_n, grid_m, split)
+    if dense is not None:
+        assert dense.dtype == x2.dtype and dense.is_contiguous() and dense.shape[1] == K, (dense.dtype, dense.shape)
     _w4a16_kernel[grid](
-        x2, w.packed, desc, w.scales, w.zeros, out, ws, w.counters, xs, M, N, K, G, x2.stride(0), out.stride(0),
-        tiles, grid_n, grid_m,
+        x2, w.packed, desc, w.scales, w.zeros, out if dense is None else dense, out, ws, w.counters, xs, M, N, n_d, K,
+        G, x2.stride(0), out.stride(0), tiles, grid_nq, grid_n, grid_m, DENSE=dense is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, GROUPS=groups, OFF=off,
         MAGIC_BITS=bits, UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, TMA=cfg.tma, XSUM=cfg.xsum, XM=cfg.x_major,
         PERSIST=cfg.persistent > 0,
@@ -781,12 +844,41 @@ def gemv_load_probe(w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     return out
 
 
-def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: Config | GemvConfig | None = None) -> torch.Tensor:
+@dataclass
+class MixedWeight:
+    """A fused weight whose first columns are int4 and the rest bf16 (a checkpoint that quantizes the GDN layers'
+    q/k/v/z projections but keeps the gates b / a unquantized): one GEMM launch for both on the GPU."""
+    int4: Int4Weight
+    dense: torch.Tensor        # [N_D, K] in the activation dtype
+
+    @property
+    def out_features(self) -> int:
+        return self.int4.out_features + self.dense.shape[0]
+
+
+def mixed_in_one_launch(x: torch.Tensor, w: MixedWeight, config=None) -> bool:
+    """Whether w4a16_matmul runs a MixedWeight as one launch of the tensor-core kernel (decode sizes on the GPU) rather
+    than the int4 GEMM and a bf16 one (models/fuse.linear_split then splits each output on its own: no concatenation)."""
+    M = x.numel() // x.shape[-1]
+    return (_use_triton(x) and w.int4.block_k >= 16 and 0 < M < (LARGE_M if config is None else 1 << 62)
+            and not isinstance(config, GemvConfig) and w.dense.dtype == x.dtype
+            and not (config is None and M <= GEMV_MAX_M and gemv_supported(w.int4)))
+
+
+def w4a16_matmul(x: torch.Tensor, w: Int4Weight | MixedWeight, config: Config | GemvConfig | None = None) -> torch.Tensor:
     """x [..., K] -> x @ W.T [..., N] in x's dtype. CUDA: the small-M CUDA-core kernel for M <= GEMV_MAX_M (off
     by default) or when config is a GemvConfig, the tensor-core kernel for M < LARGE_M rows, the Triton
     dequantize + cuBLAS from there; CPU: the reference. Graph-capturable: no host syncs, branches on
-    shapes only (M's config comes from its bucket)."""
+    shapes only (M's config comes from its bucket). A MixedWeight's bf16 columns come from the same launch on the
+    tensor-core kernel's path (decode), from a separate GEMM on the others."""
     K = x.shape[-1]
+    if isinstance(w, MixedWeight):
+        if not mixed_in_one_launch(x, w, config):
+            return torch.cat([w4a16_matmul(x, w.int4, config), torch.nn.functional.linear(x, w.dense.to(x.dtype))], -1)
+        x2 = x.reshape(-1, K)
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        out = w4a16_gemm_triton(x2, w.int4, config or config_for(x2.shape[0], w.int4.out_features, K, x.device), w.dense)
+        return out.view(*x.shape[:-1], w.out_features)
     if not _use_triton(x) or w.block_k < 16:
         return (x.float() @ dequantize_prepared(w, x.dtype).float().t()).to(x.dtype)
     x2 = x.reshape(-1, K)
