@@ -338,6 +338,34 @@ def _check_gpu(got, x, q, s, z, G):
 
 
 @pytest.mark.gpu
+def test_gpu_mixed_weight_one_launch_27b_gdn_in_proj():
+    """The 27B GDN in_proj as a W4A16 checkpoint loads it: int4 q/k/v/z (16,384 columns) and the bf16 gates b / a (96
+    rows) in one launch, at decode sizes and with other configs; the tail against x @ dense^T (fp32 products, one
+    bf16 rounding), the int4 columns against the exact reference; a CUDA graph replays it."""
+    from sketchkv.ops.w4a16_gemm import MixedWeight
+    q, s, z = random_int4(16384, 5120, 128, torch.bfloat16, device="cuda", seed=5)
+    w = prepare_int4_weight(pack_int4(q), s, z, 128)
+    dense = (torch.randn(96, 5120, device="cuda") * 0.02).to(torch.bfloat16)
+    mw = MixedWeight(w, dense)
+    for M in (1, 8, 64):
+        x = torch.randn(M, 5120, device="cuda", dtype=torch.bfloat16)
+        tail = x.float() @ dense.float().t()
+        for cfg in (None, Config(block_m=16, block_n=128, split_k=4, tma=True, persistent=2),
+                    Config(block_m=64, block_n=128, split_k=1, num_warps=8, x_major=True)):
+            got = w4a16_matmul(x, mw, cfg)
+            _check_gpu(got[:, :16384], x, q, s, z, 128)
+            torch.testing.assert_close(got[:, 16384:].float(), tail, rtol=2 ** -7, atol=1e-3 * tail.abs().max().item())
+    assert not w.counters.any()
+    x = torch.randn(8, 5120, device="cuda", dtype=torch.bfloat16)
+    want = w4a16_matmul(x, mw)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = w4a16_matmul(x, mw)
+    g.replay()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(SHAPES_27B))
 def test_gpu_27b_shapes_match_reference(name):
     K, N = SHAPES_27B[name]
