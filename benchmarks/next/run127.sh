@@ -10,13 +10,13 @@
 . benchmarks/next/preamble.sh
 END=${END:-585}
 at() { echo $(( $1 < END ? $1 : END )); }
-timeout $(left 40) python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_sparse_ops.py -k select_top_k > $OUT/pytest-sel.txt 2>&1; mark select-test $?
-timeout $(left 100) python3 benchmarks/studies/host_row_reads.py --gib 2 --out $OUT/r/rows.json > $OUT/rows.txt 2>&1; mark rows-study $?
+timeout $(left 60) python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_sparse_ops.py tests/test_ops_w4a16.py -k "select_top_k or mixed" > $OUT/pytest-sel.txt 2>&1; mark select-test $?
+timeout $(left 120) python3 benchmarks/studies/host_row_reads.py --gib 2 --out $OUT/r/rows.json > $OUT/rows.txt 2>&1; mark rows-study $?
 SLOW=$(python3 -c "import json; r = json.load(open('$OUT/r/rows.json'))['rows']
 print(int(next(x['frac_h2d'] for x in r if x['variant'] == 'fields' and x['picks'] == 16384) < 0.6))" 2>/dev/null || echo 1)
 echo "slow gather: $SLOW" >> $OUT/all.log
-timeout $(left 200) python3 benchmarks/studies/w4a16_flag.py --flag x_major --rows 64 --out $OUT/r/xm > $OUT/xm.txt 2>&1; mark x_major $?
-timeout $(left 275) python3 benchmarks/studies/w4a16_flag.py --flag persistent --rows 8 --out $OUT/r/pers > $OUT/pers.txt 2>&1; mark persistent $?
+timeout $(left 220) python3 benchmarks/studies/w4a16_flag.py --flag x_major --rows 64 --out $OUT/r/xm > $OUT/xm.txt 2>&1; mark x_major $?
+timeout $(left 295) python3 benchmarks/studies/w4a16_flag.py --flag persistent --rows 8 --out $OUT/r/pers > $OUT/pers.txt 2>&1; mark persistent $?
 B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --model random:qwen3.5-27b-w4a16 --steps 16"
 PY='import sys, dataclasses; import sketchkv.ops.w4a16_gemm as w
 k = (8, 34816, 5120)
@@ -25,8 +25,8 @@ from sketchkv.cli import main; sys.exit(main(sys.argv[2:]))'
 i=0
 for f in 0 1; do i=$((i + 1))
   if [ "$SLOW" = 1 ]; then n=$([ $f = 1 ] && echo rows || echo fields)
-    timeout $(left $(at $((275 + 60 * i)))) python3 -m sketchkv $B --sparse-miss-read $n --out-dir $OUT/r/$n-$i > $OUT/s$i-$n.txt 2>&1; mark $n-$i $?
-  else timeout $(left $(at $((275 + 60 * i)))) python3 -c "$PY" $f $B --out-dir $OUT/r/x$f-$i > $OUT/s$i-xsum$f.txt 2>&1; mark xsum$f-$i $?; fi
+    timeout $(left $(at $((295 + 60 * i)))) python3 -m sketchkv $B --sparse-miss-read $n --out-dir $OUT/r/$n-$i > $OUT/s$i-$n.txt 2>&1; mark $n-$i $?
+  else timeout $(left $(at $((295 + 60 * i)))) python3 -c "$PY" $f $B --out-dir $OUT/r/x$f-$i > $OUT/s$i-xsum$f.txt 2>&1; mark xsum$f-$i $?; fi
 done
 L=$(left $END); [ $L -gt 60 ] && { timeout $L python3 -m sketchkv ${B/-w4a16/} --out-dir $OUT/r/bf16 > $OUT/bf16.txt 2>&1; mark bf16 $?; }
 mkdir -p /tmp/r127 && cp $OUT/r/xm/*.json $OUT/r/pers/*.json /tmp/r127/ 2>/dev/null   # for call 2

@@ -8,7 +8,7 @@ END=${END:-585}
 at() { echo $(( $1 < END ? $1 : END )); }
 ls /tmp/r127/*.json >> $OUT/all.log 2>&1
 timeout $(left 150) python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ops_w4a16.py tests/test_gpu_sparse_ops.py \
-  -k "group_sizes or spanning or topk or select" > $OUT/pytest.txt 2>&1; mark pytest $?
+  -k "group_sizes or spanning or topk or select or mixed" > $OUT/pytest.txt 2>&1; mark pytest $?
 B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --model random:qwen3.5-27b-w4a16 --steps 12"
 M="--model random:qwen3.5-27b-w4a16+mtp --num-speculative-tokens 7 --sparse-verify-selection shared"
 T="python3 benchmarks/next/tuned_from_study.py $(ls /tmp/r127/*.json 2>/dev/null | tr '\n' ' ') --"
