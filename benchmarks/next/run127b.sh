@@ -23,7 +23,12 @@ for r in 1 2; do
     done
   done
 done
+# this session's two launch cuts (mixed GEMM, compose in top-k) off / on, if time is left
+OLD='import sys; import sketchkv.models.fuse as f, sketchkv.ops.selection as s; f.MIXED_ONE_LAUNCH = s.COMPOSE_IN_TOPK = sys.argv[1] == "1"
+from sketchkv.cli import main; sys.exit(main(sys.argv[2:]))'
+for f in 0 1; do L=$(left $END); [ $L -lt 50 ] && break
+  timeout $(( L < 110 ? L : 110 )) python3 -c "$OLD" $f $B --out-dir $OUT/r/cuts$f > $OUT/t$f-cuts.txt 2>&1; mark cuts$f $?; done
 tar czf $OUT/r.tgz -C $OUT r && rm -rf $OUT/r
 tail -3 $OUT/pytest.txt; grep -h TUNED $OUT/s*-tuned.txt | sort -u | cut -c1-200
-for f in $OUT/s*.txt; do echo "$(basename $f): $(grep -E 'step ms|tok/s' $f | tr -s ' ' | tr '\n' ';' | cut -c1-150)"; done
+for f in $OUT/s*.txt $OUT/t*.txt; do echo "$(basename $f): $(grep -E 'step ms|tok/s' $f | tr -s ' ' | tr '\n' ';' | cut -c1-150)"; done
 cat $OUT/all.log

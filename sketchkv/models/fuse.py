@@ -19,6 +19,10 @@ from sketchkv.ops.w4a16_gemm import Int4Weight, MixedWeight, mixed_in_one_launch
 
 FusedWeight = torch.Tensor | Int4Weight | MixedWeight | tuple
 
+# int4 + bf16 runs of one fused projection as a MixedWeight (one launch at decode sizes); False: a tuple, a GEMM each
+# (benchmarks: the A/B)
+MIXED_ONE_LAUNCH = True
+
 
 def linear(x: torch.Tensor, w: FusedWeight) -> torch.Tensor:
     """x @ W.T of a fused weight."""
@@ -66,7 +70,7 @@ def fuse_linears(linears: list[nn.Module]) -> FusedWeight | None:
         else:
             runs.append([lin])
     fused = [_fuse_int4(run) if isinstance(run[0], Int4Linear) else _fuse_dense(run) for run in runs]
-    if len(fused) == 2 and isinstance(fused[0], Int4Weight) and isinstance(fused[1], torch.Tensor):
+    if MIXED_ONE_LAUNCH and len(fused) == 2 and isinstance(fused[0], Int4Weight) and isinstance(fused[1], torch.Tensor):
         return MixedWeight(*fused)
     return fused[0] if len(fused) == 1 else tuple(fused)
 

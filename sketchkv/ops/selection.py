@@ -26,6 +26,8 @@ except ImportError:
     triton = None
 
 SENTINEL = torch.iinfo(torch.int32).max
+# select_top_k composes inside top-k's compaction (Triton); False: topk_positions, then compose_selection (benchmarks)
+COMPOSE_IN_TOPK = True
 
 
 def compose_selection_ref(picks, seq_lens, n_lead, sinks: int, recent: int, extra: int = 0):
@@ -94,6 +96,6 @@ def select_top_k(scores, k: int, seq_lens, sinks: int, recent: int, hist=None):
     """compose_selection(topk_positions(scores, k, SENTINEL, hist), seq_lens, seq_lens, sinks, recent) for scores
     [B, H, N] (sinks and recent at -inf): the same (idx, counts). Triton: top-k's compaction writes the composed rows
     (one kernel less per layer and step); otherwise the two steps."""
-    if triton is not None and (scores.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if COMPOSE_IN_TOPK and triton is not None and (scores.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return topk_positions_triton(scores, k, SENTINEL, hist=hist, compose=(seq_lens.contiguous(), sinks, recent))
     return compose_selection(topk_positions(scores, k, SENTINEL, hist=hist), seq_lens, seq_lens, sinks, recent)
