@@ -12,23 +12,21 @@ timeout $(left 150) python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_o
 B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --model random:qwen3.5-27b-w4a16 --steps 12"
 M="--model random:qwen3.5-27b-w4a16+mtp --num-speculative-tokens 7 --sparse-verify-selection shared"
 T="python3 benchmarks/next/tuned_from_study.py $(ls /tmp/r127/*.json 2>/dev/null | tr '\n' ' ') --"
-i=0
-for r in 1 2; do
-  for v in plain mtp; do
-    for t in shipped tuned; do i=$((i + 1))
-      L=$(left $END); [ $L -lt 50 ] && break 3
-      cmd="python3 -m sketchkv"; [ $t = tuned ] && cmd=$T
-      extra=""; [ $v = mtp ] && extra=$M
-      timeout $(( L < 110 ? L : 110 )) $cmd $B $extra --out-dir $OUT/r/$v-$t-$r > $OUT/s$i-$v-$t.txt 2>&1; mark $v-$t-$r $?
-    done
-  done
-done
-# this session's two launch cuts (mixed GEMM, compose in top-k) off / on, if time is left
 OLD='import sys; import sketchkv.models.fuse as f, sketchkv.ops.selection as s; f.MIXED_ONE_LAUNCH = s.COMPOSE_IN_TOPK = sys.argv[1] == "1"
 from sketchkv.cli import main; sys.exit(main(sys.argv[2:]))'
-for f in 0 1; do L=$(left $END); [ $L -lt 50 ] && break
-  timeout $(( L < 110 ? L : 110 )) python3 -c "$OLD" $f $B --out-dir $OUT/r/cuts$f > $OUT/t$f-cuts.txt 2>&1; mark cuts$f $?; done
+step() {   # name, then the command; skipped when under 50 s are left
+  local L=$(left $END) n=$1; shift; [ $L -lt 50 ] && return
+  timeout $(( L < 110 ? L : 110 )) "$@" --out-dir $OUT/r/$n > $OUT/s-$n.txt 2>&1; mark $n $?; }
+step plain-shipped python3 -m sketchkv $B
+step plain-tuned $T $B
+step mtp-shipped python3 -m sketchkv $B $M
+step mtp-tuned $T $B $M
+# this session's two launch cuts (mixed GEMM, compose in top-k) off / on
+step cuts-off python3 -c "$OLD" 0 $B
+step cuts-on python3 -c "$OLD" 1 $B
+step plain-shipped-2 python3 -m sketchkv $B
+step plain-tuned-2 $T $B
 tar czf $OUT/r.tgz -C $OUT r && rm -rf $OUT/r
-tail -3 $OUT/pytest.txt; grep -h TUNED $OUT/s*-tuned.txt | sort -u | cut -c1-200
-for f in $OUT/s*.txt $OUT/t*.txt; do echo "$(basename $f): $(grep -E 'step ms|tok/s' $f | tr -s ' ' | tr '\n' ';' | cut -c1-150)"; done
+tail -3 $OUT/pytest.txt; grep -h TUNED $OUT/s-*tuned*.txt | sort -u | cut -c1-200
+for f in $OUT/s-*.txt; do echo "$(basename $f): $(grep -E 'step ms|tok/s' $f | tr -s ' ' | tr '\n' ';' | cut -c1-150)"; done
 cat $OUT/all.log
