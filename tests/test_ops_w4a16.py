@@ -165,6 +165,8 @@ def test_interp_tiles_spanning_several_groups(G, block_k):
         torch.testing.assert_close(w4a16_matmul(x, w, cfg).float(), want, **_bf16_tol(torch.bfloat16))
     torch.testing.assert_close(dequantize_int4_t(w, torch.bfloat16).t().float(),
                                dequantize_int4(pack_int4(q), s, z, G).float(), rtol=2 ** -7, atol=0)
+    full = dequantize_int4_t(w, torch.bfloat16)
+    assert torch.equal(dequantize_int4_t(w, torch.bfloat16, (8, 32)), full[:, 8:32])   # a column slice
 
 
 @needs_interp
@@ -335,6 +337,23 @@ def _check_gpu(got, x, q, s, z, G):
     err = (got.float() - want).abs()
     bound = want.abs() * 2 ** -7 + 1e-2 * want.pow(2).mean().sqrt()
     assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_dequant_slices_overlapped():
+    """Prefill's dequantize + cuBLAS in column slices (each slice dequantized on a side stream while the previous one
+    multiplies): the same product as one dequantize and one GEMM, for slices of uneven width; then the stream's next
+    kernel sees the whole output."""
+    from sketchkv.ops.w4a16_gemm import dequant_mm
+    q, s, z = random_int4(5000, 1024, 128, torch.bfloat16, device="cuda", seed=8)
+    w = prepare_int4_weight(pack_int4(q), s, z, 128)
+    x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    want = dequant_mm(x, w, parts=1)
+    for parts in (2, 3, 4, 16):
+        got = dequant_mm(x, w, parts=parts)
+        _check_gpu(got, x, q, s, z, 128)
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
+        assert torch.isfinite(got.sum())
 
 
 @pytest.mark.gpu

@@ -724,22 +724,24 @@ if triton is not None:
         tl.store(out_ptr + pid_k * tl.num_programs(0) + pid_n, tl.xor_sum(tl.reshape(acc, [ROWS * BLOCK_N]), 0))
 
     @triton.jit
-    def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, G, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, G, stride_w, stride_o, BLOCK_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
         """W^T [K, N] = (q - z) * s in fp32, rounded to out's dtype (the reference's arithmetic); one K tile
-        of the shuffled words per program."""
+        of the shuffled words per program. N columns (of rows stride_w apart in words, scales and zeros; stride_o
+        in out): a column range of the weight when the pointers start at its first column."""
         KW: tl.constexpr = BLOCK_K // 8
         k0 = tl.program_id(0) * BLOCK_K
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         i = tl.arange(0, KW)
-        words = tl.load(qw_ptr + (k0 // 8 + i)[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0)
+        words = tl.load(qw_ptr + (k0 // 8 + i)[:, None] * stride_w + rn[None, :], mask=n_ok[None, :], other=0)
         j = tl.arange(0, 8)[:, None, None]
         q = ((words[None, :, :] >> (4 * j)) & 0xF).to(tl.float32)           # [8, KW, BLOCK_N]
         k = k0 + 2 * ((j % 4) * KW + i[None, :, None]) + j // 4             # [8, KW, 1]
         g = (k0 + 2 * (j % 4) * KW) // G                                    # [8, 1, 1]: a nibble is in one group
-        s = tl.load(s_ptr + g * N + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
-        tl.store(out_ptr + k.to(tl.int64) * N + rn[None, None, :], ((q - z) * s).to(out_ptr.dtype.element_ty),
+        s = tl.load(s_ptr + g * stride_w + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_w + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + k.to(tl.int64) * stride_o + rn[None, None, :], ((q - z) * s).to(out_ptr.dtype.element_ty),
                  mask=(k >= 0) & n_ok[None, None, :])
 
     _INTERPRETED = not isinstance(_w4a16_kernel, triton.runtime.JITFunction)
@@ -751,12 +753,53 @@ def _use_triton(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or (_INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"))
 
 
-def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """W^T [K, N] in `dtype` by the Triton kernel (equal to dequantize_int4(...).t())."""
+def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype, cols: tuple[int, int] | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """W^T [K, N] in `dtype` by the Triton kernel (equal to dequantize_int4(...).t()); cols = (a, b): columns a..b
+    only -> [K, b - a] (into `out`, contiguous, when given)."""
     K, N = w.in_features, w.out_features
-    out = torch.empty(K, N, dtype=dtype, device=w.packed.device)
-    _dequant_kernel[(K // w.block_k, triton.cdiv(N, 128))](w.packed, w.scales, w.zeros, out, N, w.group_size,
-                                                           BLOCK_K=w.block_k, BLOCK_N=128, num_warps=4)
+    a, b = cols or (0, N)
+    out = torch.empty(K, b - a, dtype=dtype, device=w.packed.device) if out is None else out
+    assert out.shape == (K, b - a) and out.is_contiguous()
+    _dequant_kernel[(K // w.block_k, triton.cdiv(b - a, 128))](
+        w.packed[:, a:], w.scales[:, a:], w.zeros[:, a:], out, b - a, w.group_size, N, b - a, BLOCK_K=w.block_k,
+        BLOCK_N=128, num_warps=4)
+    return out
+
+
+# Prefill (M >= LARGE_M): the weight dequantized in this many column slices on a side stream, each slice's GEMM on the
+# current stream while the next slice dequantizes (the dequantize is memory-bound, the GEMM compute-bound: they
+# overlap); 1: dequantize all, then one GEMM
+DEQUANT_PARTS = 4
+_SIDE: dict = {}
+
+
+def dequant_mm(x2: torch.Tensor, w: Int4Weight, parts: int | None = None) -> torch.Tensor:
+    """x2 [M, K] @ W^T by dequantize + cuBLAS, in `parts` column slices (DEQUANT_PARTS) whose dequantize on a side
+    stream overlaps the previous slice's GEMM; two slice buffers, each reused once its GEMM is done."""
+    K, N = w.in_features, w.out_features
+    parts = max(1, min(parts or DEQUANT_PARTS, N // 128))
+    if parts == 1 or not x2.is_cuda:
+        return x2 @ dequantize_int4_t(w, x2.dtype)
+    width = triton.cdiv(triton.cdiv(N, parts), 128) * 128
+    cols = [(a, min(N, a + width)) for a in range(0, N, width)]
+    main = torch.cuda.current_stream(x2.device)
+    side = _SIDE.setdefault(x2.device, torch.cuda.Stream(x2.device))
+    out = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
+    bufs = [torch.empty(K * width, dtype=x2.dtype, device=x2.device) for _ in range(min(2, len(cols)))]
+    ready = [torch.cuda.Event() for _ in cols]
+    free = [torch.cuda.Event() for _ in cols]
+    side.wait_stream(main)
+    for j, (a, b) in enumerate(cols):
+        wj = bufs[j % 2][:K * (b - a)].view(K, b - a)
+        with torch.cuda.stream(side):
+            if j >= 2:
+                side.wait_event(free[j - 2])          # the buffer's previous slice has been multiplied
+            dequantize_int4_t(w, x2.dtype, (a, b), wj)
+            ready[j].record(side)
+        main.wait_event(ready[j])
+        torch.mm(x2, wj, out=out[:, a:b])
+        free[j].record(main)
     return out
 
 
@@ -890,7 +933,7 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight | MixedWeight, config: Config | 
     if isinstance(config, GemvConfig) or (config is None and M <= GEMV_MAX_M and gemv_supported(w)):
         out = w4a16_gemv_triton(x2, w, config or gemv_config_for(M, w.out_features, K, x.device))
     elif M >= LARGE_M and config is None:
-        out = x2 @ dequantize_int4_t(w, x.dtype)
+        out = dequant_mm(x2, w)
     else:
         out = w4a16_gemm_triton(x2, w, config or config_for(M, w.out_features, K, x.device))
     return out.view(*x.shape[:-1], w.out_features)
