@@ -6,7 +6,8 @@ Canonical packed weight (GPTQ layout; every checkpoint format is converted to it
   (symmetric: zeros = 8). G in {32, 64, 128} or G = K (per channel).
 
 CUDA: M < LARGE_M -> one Triton kernel (below); M >= LARGE_M (prefill) -> a Triton dequantize to bf16 then
-cuBLAS. CPU -> the reference. prepare_int4_weight (once, at load) shuffles the nibbles within each K tile of
+cuBLAS, in DEQUANT_PARTS column slices whose dequantize (memory-bound, side stream) overlaps the previous slice's
+GEMM (compute-bound) (dequant_mm). CPU -> the reference. prepare_int4_weight (once, at load) shuffles the nibbles within each K tile of
 BLOCK_K = min(128, G) rows (KW = BLOCK_K / 8 words) Marlin-style: nibbles s and s + 4 of word i hold the k pair
 (2c, 2c + 1), c = s KW + i. One 32-bit lop3 on the word shifted by 4 s, (w >> 4s) & 0x000F000F | 0x43004300,
 is then the bf16 pair (128 + q[2c], 128 + q[2c + 1]), which is exactly the register the MMA operand wants for
