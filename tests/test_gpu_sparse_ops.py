@@ -160,10 +160,12 @@ def test_gpu_topk_first_round_counted_by_scoring(kernel, combine, shared):
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_gpu_select_top_k_is_compose_of_topk(shared):
+def test_gpu_select_top_k_is_compose_of_topk(shared, monkeypatch):
     """The engine's plain decode selection at 8 x 250K: top-k's compaction writing the composed rows (sinks, picks,
     recent) equals compose_selection of the picks, from the softmax scores and their counted first round."""
+    import sketchkv.ops.selection as selection
     from sketchkv.ops.selection import compose_selection, select_top_k
+    monkeypatch.setattr(selection, "COMPOSE_IN_TOPK", True)   # the fused path, whatever the default
     q, packed, scale, geo = _sketch_250k(15)
     n = geo[1].shape[0] * (1 if shared else HKV)
     hist = radix_hist_buffer(n, q.device)

@@ -433,10 +433,12 @@ def test_interp_compose_selection_kernel_matches_reference():
 
 
 @needs_interp
-def test_interp_select_top_k_is_compose_of_topk():
+def test_interp_select_top_k_is_compose_of_topk(monkeypatch):
     """select_top_k (top-k's compaction writing compose_selection's rows): the same idx and counts as the two steps,
     for scores with -inf at sinks / recent / beyond the sequence, ties across chunks, rows with fewer candidates
     than k (and none: n <= sinks + recent), one and several selection heads; with the scoring's first radix round."""
+    import sketchkv.ops.selection as selection
+    monkeypatch.setattr(selection, "COMPOSE_IN_TOPK", True)   # the fused path, whatever the default
     torch.manual_seed(4)
     sinks, recent = 8, 16
     for lens, H, k in (([3, 20, 90, 5000, 4100], 1, 32), ([5, 4700, 64, 2000], 2, 700), ([24, 25, 4500], 3, 1)):

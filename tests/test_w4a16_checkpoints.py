@@ -11,7 +11,7 @@ from conftest import _tokenizer_files, last_logits, make_checkpoint
 from sketchkv import LLM, SamplingParams
 from sketchkv.errors import CheckpointError
 from sketchkv.models.quantized import Int4Format, canonical, int4_format, int4_parts
-from sketchkv.ops.w4a16_gemm import MixedWeight, dequantize_int4
+from sketchkv.ops.w4a16_gemm import Int4Weight, MixedWeight, dequantize_int4
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,16 +204,21 @@ def test_auto_round_logits_match_transformers(ar_ckpt, case):
     _check_logits(*ar_ckpt(case), direct=direct, tol=3e-3 if direct else 1e-4)
 
 
-def test_int4_layers_are_int4_and_the_rest_stays_dense(ct_ckpt):
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_int4_layers_are_int4_and_the_rest_stays_dense(ct_ckpt, monkeypatch, one_launch):
     from sketchkv.layers.int4_linear import Int4Linear
+    from sketchkv.models import fuse
+    monkeypatch.setattr(fuse, "MIXED_ONE_LAUNCH", one_launch)
     llm = LLM(ct_ckpt("qwen3_5-sym-g128")[1], device="cpu", dtype="float32", block_size=16)
     m = llm.engine.runner.model
     gdn, attn = m.model.layers[0].linear_attn, m.model.layers[3].self_attn
     assert isinstance(gdn.in_proj_qkv, Int4Linear) and isinstance(m.model.layers[0].mlp.down_proj, Int4Linear)
     assert isinstance(attn.q_proj, Int4Linear) and attn.q_proj.fused and attn.o_proj.int4 is not None
     assert type(m.lm_head) is torch.nn.Linear and type(gdn.in_proj_b) is torch.nn.Linear  # b: N=4 (< 8) -> dense
-    assert isinstance(gdn.in_proj, MixedWeight)  # int4 [qkv; z] + dense [b; a]
-    # on a CPU the mixed weight runs as two GEMMs split on their own: the same pieces as the concatenation's split
+    # int4 [qkv; z] + dense [b; a]: one weight for one launch, else a tuple of the two
+    pieces = [type(gdn.in_proj)] if one_launch else [type(w) for w in gdn.in_proj]
+    assert pieces == ([MixedWeight] if one_launch else [Int4Weight, torch.Tensor])
+    # on a CPU either runs as two GEMMs split on their own: the same pieces as the concatenation's split
     from sketchkv.models.fuse import linear, linear_split
     x = torch.randn(3, gdn.in_proj_qkv.in_features)
     sizes = [gdn.conv_dim, gdn.value_dim, gdn.num_v_heads, gdn.num_v_heads]

@@ -26,8 +26,9 @@ except ImportError:
     triton = None
 
 SENTINEL = torch.iinfo(torch.int32).max
-# select_top_k composes inside top-k's compaction (Triton); False: topk_positions, then compose_selection (benchmarks)
-COMPOSE_IN_TOPK = True
+# select_top_k composes inside top-k's compaction (Triton); False: topk_positions, then compose_selection.
+# Off until a GPU has run it (CPU interpreter tests pass; benchmarks/next/run128.sh has the GPU test and the A/B)
+COMPOSE_IN_TOPK = False
 
 
 def compose_selection_ref(picks, seq_lens, n_lead, sinks: int, recent: int, extra: int = 0):

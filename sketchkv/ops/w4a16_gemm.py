@@ -770,8 +770,8 @@ def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype, cols: tuple[int, int] |
 
 # Prefill (M >= LARGE_M): the weight dequantized in this many column slices on a side stream, each slice's GEMM on the
 # current stream while the next slice dequantizes (the dequantize is memory-bound, the GEMM compute-bound: they
-# overlap); 1: dequantize all, then one GEMM
-DEQUANT_PARTS = 4
+# overlap); 1: dequantize all, then one GEMM. 1 until a GPU has timed the slices (benchmarks/studies/w4a16_prefill.py)
+DEQUANT_PARTS = 1
 _SIDE: dict = {}
 
 
