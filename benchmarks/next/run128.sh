@@ -1,13 +1,13 @@
 # run 128 (session 39): run127.sh reordered for a short budget (device starts kept failing: this may be the only call).
 # 1. GPU tests of what session 38 built (select_top_k's composed rows, the mixed int4 + bf16 GDN in_proj in one
-#    launch, prefill's dequantize in overlapped column slices); 2. the 8 x 250K W4A16 step with both launch cuts on
+#    launch, prefill's dequantize in overlapped column slices, the restructured W4A16 kernel on the 27B shapes); 2. the 8 x 250K W4A16 step with both launch cuts on
 #    (fuse.MIXED_ONE_LAUNCH, selection.COMPOSE_IN_TOPK), bf16 (issue 39's ratio), the cuts off; 3. if time is left,
 #    the x_major GEMM study at M = 64.
 # run(command="END=450 bash benchmarks/next/run128.sh", carry=[".whl"], timeout_s=460)
 . benchmarks/next/preamble.sh
 END=${END:-450}
-timeout $(left 75) python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_sparse_ops.py tests/test_ops_w4a16.py \
-  -k "select_top_k or mixed or prefill_dequant" > $OUT/pytest.txt 2>&1; mark pytest $?
+timeout $(left 100) python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_sparse_ops.py tests/test_ops_w4a16.py \
+  -k "select_top_k or mixed or prefill_dequant or 27b_shapes_match" > $OUT/pytest.txt 2>&1; mark pytest $?
 B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --model random:qwen3.5-27b-w4a16 --steps 12"
 SET='import sys; import sketchkv.models.fuse as f, sketchkv.ops.selection as s; f.MIXED_ONE_LAUNCH = s.COMPOSE_IN_TOPK = sys.argv[1] == "1"
 from sketchkv.cli import main; sys.exit(main(sys.argv[2:]))'
