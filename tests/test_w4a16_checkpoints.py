@@ -216,8 +216,8 @@ def test_int4_layers_are_int4_and_the_rest_stays_dense(ct_ckpt, monkeypatch, one
     assert isinstance(attn.q_proj, Int4Linear) and attn.q_proj.fused and attn.o_proj.int4 is not None
     assert type(m.lm_head) is torch.nn.Linear and type(gdn.in_proj_b) is torch.nn.Linear  # b: N=4 (< 8) -> dense
     # int4 [qkv; z] + dense [b; a]: one weight for one launch, else a tuple of the two
-    pieces = [type(gdn.in_proj)] if one_launch else [type(w) for w in gdn.in_proj]
-    assert pieces == ([MixedWeight] if one_launch else [Int4Weight, torch.Tensor])
+    assert (isinstance(gdn.in_proj, MixedWeight) if one_launch
+            else [type(w) for w in gdn.in_proj] == [Int4Weight, torch.Tensor])
     # on a CPU either runs as two GEMMs split on their own: the same pieces as the concatenation's split
     from sketchkv.models.fuse import linear, linear_split
     x = torch.randn(3, gdn.in_proj_qkv.in_features)

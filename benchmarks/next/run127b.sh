@@ -1,4 +1,4 @@
-# run 127, call 2 (same warm machine; call 1 left its GEMM studies in /tmp/r127): engine A/B pairs with the studies'
+# run 127, call 3 (same warm machine; run127.sh left its GEMM studies in /tmp/r127): engine A/B pairs with the studies'
 # winners in TUNED (benchmarks/next/tuned_from_study.py: a row's best flipped config where it beats the shipped one
 # by >= 3%): a plain 8 x 250K W4A16 decode step (M = 8: persistent) and an MTP-7 verification step (M = 64:
 # x_major); then the GEMM GPU tests of the new configs; then how this host reads miss rows (host_row_reads.py).
@@ -9,9 +9,6 @@ ls /tmp/r127/*.json >> $OUT/all.log 2>&1
 B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --model random:qwen3.5-27b-w4a16 --steps 12"
 M="--model random:qwen3.5-27b-w4a16+mtp --num-speculative-tokens 7 --sparse-verify-selection shared"
 T="python3 benchmarks/next/tuned_from_study.py $(ls /tmp/r127/*.json 2>/dev/null | tr '\n' ' ') --"
-step() {   # name, then the command; skipped when under 50 s are left
-  local L=$(left $END) n=$1; shift; [ $L -lt 50 ] && return
-  timeout $(( L < 110 ? L : 110 )) "$@" --out-dir $OUT/r/$n > $OUT/s-$n.txt 2>&1; mark $n $?; }
 step plain-shipped python3 -m sketchkv $B
 step plain-tuned $T $B
 step mtp-shipped python3 -m sketchkv $B $M
