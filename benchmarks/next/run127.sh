@@ -1,4 +1,4 @@
-# run 127 (sessions 38-39), call 2 after run128.sh on the same warm machine: issue 39's GEMM studies.
+# run 127 (sessions 38-40), issue 39's GEMM studies (run127b.sh follows on the same warm machine).
 # x on the MMA's M side (Config.x_major) at M = 64 (the MTP-7 step's rows, 27% of the floor now), persistent programs
 # (Config.persistent) at M = 8, prefill GEMMs (dequant slices, DEQUANT_PARTS 1/2/4/8, vs bf16 cuBLAS).
 # The studies' JSON go to /tmp/r127 for call 3 (run127b.sh: the winners in TUNED in the engine, MTP-7, row reads).

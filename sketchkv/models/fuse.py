@@ -20,8 +20,9 @@ from sketchkv.ops.w4a16_gemm import Int4Weight, MixedWeight, mixed_in_one_launch
 FusedWeight = torch.Tensor | Int4Weight | MixedWeight | tuple
 
 # int4 + bf16 runs of one fused projection as a MixedWeight (one launch at decode sizes); False: a tuple, a GEMM each.
-# Off until a GPU has run it (CPU interpreter tests pass; benchmarks/next/run128.sh has the GPU test and the A/B)
-MIXED_ONE_LAUNCH = False
+# On: ~96 kernels fewer per 27B step (cuBLAS split-K + reduce per GDN layer), the same step time (H100 runs 128-129:
+# GPU test passes; 8 x 250K 24.56 vs 24.62 ms off, 24.67 with COMPOSE_IN_TOPK too)
+MIXED_ONE_LAUNCH = True
 
 
 def linear(x: torch.Tensor, w: FusedWeight) -> torch.Tensor:

@@ -22,3 +22,8 @@ tar czf $OUT/r.tgz -C $OUT r && rm -rf $OUT/r
 tail -2 $OUT/pytest.txt; grep -E "FAILED|Error" $OUT/pytest.txt | head -5 | cut -c1-200
 for f in $OUT/s-*.txt; do echo "$(basename $f): $(grep -E 'step ms|tok/s|floor' $f | tr -s ' ' | tr '\n' ';' | cut -c1-150)"; done
 cat $OUT/all.log
+
+# call 2, the same warm machine (repeat/): COMPOSE_IN_TOPK on, then off, 24 steps each
+# . benchmarks/next/preamble.sh; END=200; B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --model random:qwen3.5-27b-w4a16 --steps 24"
+# SET='import sys; import sketchkv.ops.selection as s; s.COMPOSE_IN_TOPK = sys.argv[1] == "1"
+# from sketchkv.cli import main; sys.exit(main(sys.argv[2:]))'; step compose2 python3 -c "$SET" 1 $B; step off2 python3 -c "$SET" 0 $B
