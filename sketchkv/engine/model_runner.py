@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from sketchkv.config import EngineConfig, resolved_host_residual_keys, resolved_prefill_selection
 from sketchkv.engine.context import Context, VerifyRows, set_context
@@ -637,7 +638,12 @@ class ModelRunner:
         # the values ctx.sparse takes at decode (see _context): dense and sparse graphs; with the host tier
         # every sketch decode is sparse; QSA layers (no sketch layers) select inside the "dense" family
         families = ([True] if self.tier is not None else [False, True]) if self.sparse_layers else [False]
-        for sparse, bs, nb in [(f, b, n) for f in families for b in reversed(sizes) for n in reversed(self.g_tables)]:
+        shapes = [(f, b, n) for f in families for b in reversed(sizes) for n in reversed(self.g_tables)]
+        # a machine's first start also compiles every Triton kernel here (163 s for the 27B W4A16 engine on an
+        # H100, run 129); later starts read Triton's cache (~/.triton/cache)
+        logger.info("capturing %d decode CUDA graphs (a machine's first start also compiles the kernels)", len(shapes))
+        quiet = not logger.isEnabledFor(logging.INFO)
+        for sparse, bs, nb in tqdm(shapes, desc="CUDA graphs", unit="graph", disable=quiet):
             ctx = self._graph_context(bs, nb)
             ctx.sparse = sparse
             step = lambda bs=bs: self.g_out[:bs].copy_(self._model(self.g_ids[:bs], self.g_pos[:bs]))
