@@ -60,7 +60,7 @@ def main():
             except Exception as e:
                 rows.append(dict(backend=name, prefix=P, chunk=Lq, error=str(e).split("\n")[0][:300]))
                 print(f"P={P:7d} Lq={Lq}: {name:15s} failed: {rows[-1]['error']}")
-        del q, k, v, ke, ve
+        q = k = v = ke = ve = None   # free before the next prefix (del: ruff reads the lambdas as using deleted names)
         torch.cuda.empty_cache()
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cudnn=torch.backends.cudnn.version(),
                date=time.strftime("%Y-%m-%d %H:%M"), command=" ".join(sys.argv), shape=dict(Hq=Hq, Hkv=Hkv, D=D),

@@ -87,7 +87,7 @@ def main():
             acc["cublas_ms"] += calls * t["cublas"] / 1e3
             print(f"{name:22s} {K:6d} x {N:6d} x{calls:3d}  M={M:<3d} floor {floor:7.1f} us | "
                   + " | ".join(f"{k} {v:7.1f} ({floor / v:4.0%})" for k, v in t.items()), flush=True)
-        del Ws, Wts
+        Ws = Wts = None   # free before the next shape (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s")
     print("| rows | GEMMs per step, cuBLAS (ms) | bytes floor (ms) | of floor |\n|---|---|---|---|")

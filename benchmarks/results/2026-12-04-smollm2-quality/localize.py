@@ -38,7 +38,7 @@ def policies():
     for k in (64, 128):
         yield f"oracle-shared-k{k}", ("exact", True, k, None)
         yield f"oracle-kvhead-k{k}", ("exact", False, k, None)
-    yield f"oracle-qhead-k64", ("qhead", False, 64, None)
+    yield "oracle-qhead-k64", ("qhead", False, 64, None)
     for r in (16, 32, 64):
         for k in (64,):
             yield f"sketch{r}-shared-k{k}", ("sketch", True, k, r)
