@@ -1,7 +1,7 @@
 # run 127 (sessions 38-40), issue 39's GEMM studies (run127b.sh follows on the same warm machine).
 # x on the MMA's M side (Config.x_major) at M = 64 (the MTP-7 step's rows, 27% of the floor now), persistent programs
 # (Config.persistent) at M = 8, prefill GEMMs (dequant slices, DEQUANT_PARTS 1/2/4/8, vs bf16 cuBLAS).
-# The studies' JSON go to /tmp/r127 for call 3 (run127b.sh: the winners in TUNED in the engine, MTP-7, row reads).
+# The studies' JSON go to /tmp/r127 for call 2 (run127b.sh: the winners in TUNED in the engine, MTP-7, row reads).
 # run(command="END=585 bash benchmarks/next/run127.sh", carry=[".whl"], timeout_s=595)
 . benchmarks/next/preamble.sh
 END=${END:-585}

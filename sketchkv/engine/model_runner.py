@@ -639,8 +639,7 @@ class ModelRunner:
         # every sketch decode is sparse; QSA layers (no sketch layers) select inside the "dense" family
         families = ([True] if self.tier is not None else [False, True]) if self.sparse_layers else [False]
         shapes = [(f, b, n) for f in families for b in reversed(sizes) for n in reversed(self.g_tables)]
-        # a machine's first start also compiles every Triton kernel here (163 s for the 27B W4A16 engine on an
-        # H100, run 129); later starts read Triton's cache (~/.triton/cache)
+        # 163 s on a fresh H100 for the 27B W4A16 engine (run 129); later starts read Triton's cache
         logger.info("capturing %d decode CUDA graphs (a machine's first start also compiles the kernels)", len(shapes))
         quiet = not logger.isEnabledFor(logging.INFO)
         for sparse, bs, nb in tqdm(shapes, desc="CUDA graphs", unit="graph", disable=quiet):
