@@ -1,16 +1,16 @@
-"""Study (issue 39): the W4A16 GEMM with one boolean Config field turned on against the shipped config, at the
+"""Study (issue 39): the W4A16 GEMM with one boolean Config field flipped against the shipped config, at the
 27B shapes.
 
     python benchmarks/studies/w4a16_flag.py --flag tma --out benchmarks/results/DATE-w4a16-tma
-    python benchmarks/studies/w4a16_flag.py --flag xsum --rows 8 16 32 64 --out benchmarks/results/DATE-w4a16-xsum
+    python benchmarks/studies/w4a16_flag.py --flag magic --rows 1 8 64 --out benchmarks/results/DATE-w4a16-magic
 
 --flag tma: the words' K tiles loaded by TMA (a host tensor descriptor, cp.async.bulk.tensor into shared memory)
-instead of pointer loads (4-byte cp.async). --flag xsum: rowsum(x) per group summed by one torch reduction
-before the launch instead of a second dot against ones (at M = 64 that dot doubles the tensor cores' work).
---flag x_major: out = x W^T with the x rows on the MMA's M side and the unpacked weights its N side (staged through
-shared memory by the compiler), rowsum(x) a row reduction: no ones dot, wgmma's B operand from shared memory; also
-tries BLOCK_N 256 with 8 warps (M > 16). --flag persistent (not a boolean): 1-3 programs per SM, each looping over
-(tile, K split) items with the loops flattened (Config.persistent), against one program per item.
+instead of pointer loads (4-byte cp.async). --flag magic: the nibble -> float conversion by mantissa OR (Marlin's
+trick) against an integer conversion. --flag takes any boolean Config field.
+
+Measured and removed from the kernel (see ops/w4a16_gemm.py's "Tried and slower"): --flag xsum (rowsum(x) by one
+torch reduction before the launch; H100 run 126), --flag x_major (the x rows on the MMA's M side; run 130) and
+--flag persistent (1-3 programs per SM looping over the (tile, K split) items; run 130).
 
 Per shape and M in --rows: the shipped config (TUNED / config_for), the same with the flag flipped, and the
 flipped one over num_stages 2-6 and BLOCK_N x SPLIT_K / num_warps neighbours; each checked against x @ bf16(W)
@@ -22,7 +22,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 
 import torch
 
@@ -32,19 +32,11 @@ from sketchkv.bench.floor import hbm_bandwidth  # noqa: E402
 from sketchkv.ops import w4a16_gemm as wg  # noqa: E402
 
 
-def flipped_value(cfg, flag):
-    return 1 if flag == "persistent" and not cfg.persistent else not getattr(cfg, flag)
+FLAGS = [f.name for f in fields(wg.Config) if f.type in (bool, "bool")]
 
 
 def variants(M, N, K, dev, flag, quick=False):
     base = wg.config_for(M, N, K, dev)
-    if flag == "persistent":
-        out = [base] + [replace(base, persistent=p, num_stages=s) for p in (1, 2, 3)
-                        for s in (base.num_stages, base.num_stages + 1)]
-        if not quick:
-            out += [replace(base, persistent=2, split_k=sk) for sk in (base.split_k // 2, base.split_k * 2)
-                    if sk >= 1 and K // 128 >= 2 * sk]
-        return list(dict.fromkeys(out))
     on = not getattr(base, flag)
     flip = lambda c, **kw: replace(c, **{flag: on}, **kw)  # noqa: E731
     out = [base, flip(base)] + [flip(base, num_stages=s) for s in ((5,) if quick else (2, 3, 4, 5, 6))]
@@ -55,16 +47,12 @@ def variants(M, N, K, dev, flag, quick=False):
                 out += [flip(base, block_n=bn, split_k=sk, num_stages=s) for s in (3, 5)]
         if M > 16:
             out += [flip(base, num_warps=8, block_n=128, split_k=sk, num_stages=4) for sk in (1, 2)]
-        if M > 16 and flag == "x_major":
-            out += [flip(base, num_warps=8, block_n=256, split_k=sk, num_stages=s) for sk in (1, 2) for s in (3, 4)]
-            out += [flip(base, num_warps=8, block_n=128, split_k=1, num_stages=4, xsum=True),
-                    flip(base, num_warps=4, block_n=128, split_k=1, num_stages=4)]
     return list(dict.fromkeys(out))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--flag", choices=["tma", "xsum", "x_major", "persistent"], default="tma", help="the Config field to flip")
+    p.add_argument("--flag", choices=FLAGS, default="tma", help="the boolean Config field to flip")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--l2-bytes", type=float, default=2e9)
@@ -113,7 +101,7 @@ def main():
           "best flipped config |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         s, b = r["shipped"], r["best"]
-        same = next(v for v in r["variants"] if v["config"] == {**s["config"], flag: flipped_value(wg.Config(**s["config"]), flag)})
+        same = next(v for v in r["variants"] if v["config"] == {**s["config"], flag: not s["config"][flag]})
         md.append(f"| {r['shape']} | {r['M']} | {r['floor_us']:.1f} | {s['us']:.1f} ({s['of_floor']:.0%}) | "
                   f"{same['us']:.1f} | {b['us']:.1f} ({b['of_floor']:.0%}) | {wg.Config(**b['config'])} |")
     md += ["", "| M | 27B step: floor ms | shipped ms | best flipped ms |", "|---|---|---|---|"]

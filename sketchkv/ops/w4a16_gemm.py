@@ -5,24 +5,18 @@ Canonical packed weight (GPTQ layout; every checkpoint format is converted to it
   scales, zeros [K // G, N] in the activation dtype; w[n, k] = (q[n, k] - zeros[k // G, n]) * scales[k // G, n]
   (symmetric: zeros = 8). G in {32, 64, 128} or G = K (per channel).
 
-CUDA: M < LARGE_M -> one Triton kernel (below); M >= LARGE_M (prefill) -> a Triton dequantize to bf16 then
-cuBLAS, in DEQUANT_PARTS column slices whose dequantize (memory-bound, side stream) overlaps the previous slice's
-GEMM (compute-bound) (dequant_mm). CPU -> the reference. prepare_int4_weight (once, at load) shuffles the nibbles within each K tile of
-BLOCK_K = min(128, G) rows (KW = BLOCK_K / 8 words) Marlin-style: nibbles s and s + 4 of word i hold the k pair
-(2c, 2c + 1), c = s KW + i. One 32-bit lop3 on the word shifted by 4 s, (w >> 4s) & 0x000F000F | 0x43004300,
-is then the bf16 pair (128 + q[2c], 128 + q[2c + 1]), which is exactly the register the MMA operand wants for
-that k pair (0.875 instructions per weight for the unpacking); the 4 shifts of a [BLOCK_N, KW] word tile
-(loaded coalesced along N, pipelined through shared memory) give its [BLOCK_N, BLOCK_K] weights in k order, so
-x's columns are contiguous and one dot (K = BLOCK_K) covers the tile. The weight is the MMA's M side
-(out^T = W x^T: wgmma / mma.sync take it from registers, the few x rows are the N side, >= 8). A tile is one
+CUDA: M < LARGE_M -> one Triton kernel (below); M >= LARGE_M (prefill) -> a Triton dequantize of the whole weight
+to bf16, then one cuBLAS GEMM (dequant_mm). CPU -> the reference. prepare_int4_weight (once, at load) shuffles the
+nibbles within each K tile of BLOCK_K = min(128, G) rows (KW = BLOCK_K / 8 words) Marlin-style: nibbles s and s + 4
+of word i hold the k pair (2c, 2c + 1), c = s KW + i. One 32-bit lop3 on the word shifted by 4 s,
+(w >> 4s) & 0x000F000F | 0x43004300, is then the bf16 pair (128 + q[2c], 128 + q[2c + 1]), which is exactly the
+register the MMA operand wants for that k pair (0.875 instructions per weight for the unpacking); the 4 shifts of a
+[BLOCK_N, KW] word tile (loaded coalesced along N, pipelined through shared memory) give its [BLOCK_N, BLOCK_K]
+weights in k order, so x's columns are contiguous and one dot (K = BLOCK_K) covers the tile. The weight is the MMA's
+M side (out^T = W x^T: wgmma / mma.sync take it from registers, the few x rows are the N side, >= 8). A tile is one
 group (or holds 2 or 4 whole groups, a dot each), so a group's zero and scale apply to the fp32 product, not to
 every weight (rowsum(x) by a second dot against ones; scales and zeros prefetched a tile ahead):
   acc += (dot(x, q + OFF) - rowsum(x) * (zero + OFF)) * scale
-At M = 64 (an MTP-7 verification step of 8 sequences) the tensor cores are no longer idle and the ones dot doubles
-their work: Config.xsum reads rowsum(x) per dot's k range from a [M, K / KG] fp32 tensor summed by one torch
-reduction before the launch instead (a TUNED entry may set it). H100 run 126: per 27B step
-7.47 -> 7.44 ms at M = 8 and 16.30 -> 16.78 at M = 64: the second dot is not what holds M = 64 at a quarter of its
-floor; per shape -7% (gate_up, M = 8) to +17% (o/out, M = 64). No TUNED entry sets it yet.
 OFF = 128 (bf16) / 1024 (fp16) builds the float by OR-ing the nibble into the mantissa of 128.0 / 1024.0
 (Marlin's trick: no conversion instruction); OFF = 0 converts (fp32 activations).
 Split-K: SPLIT_K programs per output tile write fp32 partials; the last to finish (a per-tile counter, reset
@@ -38,8 +32,21 @@ slowed the BLOCK_N 64 shapes 2x (run 109), and mma.sync (DISABLE_MMA_V3=1) was 1
 with its own configs (run 108). What helped: the words' tiles by TMA (Config.tma: a host tensor descriptor
 of the packed words, each [KW, BLOCK_N] tile one cp.async.bulk.tensor into shared memory, read back transposed):
 H100 run 113 (benchmarks/studies/w4a16_flag.py --flag tma) 54% -> 60% of the int4 floor at M = 1, 8 (slower at M = 64), so
-config_for turns it on up to 16 rows on sm_90+. Not tried: a per-tile contiguous layout, a persistent or
-warp-specialized kernel.
+config_for turns it on up to 16 rows on sm_90+. Not tried: a per-tile contiguous layout, a warp-specialized kernel.
+
+Tried and slower, so removed (H100; "the step" = the 27B decode step's GEMMs, no lm_head; studies
+`benchmarks/studies/w4a16_flag.py --flag x_major / persistent / xsum` before the removal, and w4a16_prefill.py):
+x rows on the MMA's M side (out = x W^T, the weights its N side through shared memory), H100 run 130 (2026-12-07):
+at M = 64 the shipped config flipped is 2x slower on every shape (gate_up 245.9 vs 115.6 us, down 130.7 vs 66.4,
+gdn_in 136.1 vs 48.7, attn_qkv 135.2 vs 47.5, o/out 55.0 vs 31.4), the best flipped config per shape 1.75-2.2x,
+the step 33.00 vs 16.76 ms. A persistent grid (1-3 programs per SM looping over the (tile, split) items), run 130:
+at M = 8 the same config 3x slower (gate_up 152.9 vs 51.2 us), the best persistent config per shape 25-48% slower,
+the step 9.99 vs 7.41 ms. rowsum(x) by one torch reduction before the launch instead of the ones dot (which doubles
+the tensor cores' work at M = 64), run 126: the step 7.47 -> 7.44 ms at M = 8, 16.30 -> 16.78 at M = 64 (per shape
+-7% to +17%): the ones dot is not what holds M = 64 at a quarter of its floor. Prefill's dequantize in column
+slices on a side stream, to overlap the previous slice's GEMM, run 130, one 27B forward at M = 8192: bf16 535.5 ms,
+one dequantize + GEMM 570.2 (0.939 of bf16's speed), 2 / 4 / 8 slices 599.7 / 598.5 / 613.9 (0.893 / 0.895 /
+0.872): cuBLAS occupies every SM, so the dequantize does not overlap, it competes.
 
 Small M (decode), _gemv_kernel: CUDA cores, built for bandwidth. H200 run 98 had the tensor-core kernel at
 38-42% of the int4 floor at M = 1, 8: its words reach shared memory by 4-byte cp.async (Triton orders the
@@ -217,9 +224,6 @@ class Config:
     num_stages: int = 4
     magic: bool = True       # nibble -> float by mantissa OR (bf16 / fp16 activations only)
     tma: bool = False        # the words' K tiles by TMA (a host tensor descriptor) instead of cp.async
-    xsum: bool = False       # rowsum(x) per dot's k range by one torch reduction before the launch, not a second dot
-    x_major: bool = False    # x rows on the MMA's M side, the weights its N side (through shared memory): for M >= 32?
-    persistent: int = 0      # > 0: that many programs per SM, each looping over (tile, split) work items
 
 
 # (M bucket, N, K) -> Config, from `benchmarks/bench_w4a16_gemm.py --sweep` on an H200; else config_for's rule
@@ -396,43 +400,21 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _w4a16_kernel(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, d_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
-                      M, N, N_D, K, G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_NQ, GRID_N, GRID_M,
+    def _w4a16_kernel(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, d_ptr, out_ptr, ws_ptr, cnt_ptr,
+                      M, N, N_D, K, G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_NQ, GRID_N,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr,
                       UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr = False,
-                      XSUM: tl.constexpr = False, XM: tl.constexpr = False, PERSIST: tl.constexpr = False,
                       DENSE: tl.constexpr = False):
-        """Grid (GRID_N, GRID_M, SPLIT_K): one (output tile, K split) per program; PERSIST (Config.persistent): a
-        1-D grid of fewer programs, each looping over those work items (tile-major, the splits of a tile
-        consecutive), the loops flattened so that the next item's loads are in flight while one finishes.
-        DENSE: output tiles GRID_NQ.. are a mixed weight's bf16 tail (d_ptr [N_D, K], out columns N..; see _tile)."""
-        if PERSIST:
-            total = GRID_N * GRID_M * SPLIT_K
-            for w in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
-                pid_k = w % SPLIT_K
-                pid_n = (w // SPLIT_K) % GRID_N
-                pid_m = w // (SPLIT_K * GRID_N)
-                _tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, d_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr, M, N, N_D, K,
-                      G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_NQ, GRID_N, pid_n, pid_m, pid_k, BLOCK_M,
-                      BLOCK_N, BLOCK_K, SPLIT_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE, TMA, XSUM, XM, DENSE)
-        else:
-            _tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, d_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr, M, N, N_D, K, G,
-                  stride_xm, stride_om, TILES_PER_SPLIT, GRID_NQ, GRID_N, tl.program_id(0), tl.program_id(1),
-                  tl.program_id(2), BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE,
-                  TMA, XSUM, XM, DENSE)
-
-    @triton.jit
-    def _tile(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, d_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
-              M, N, N_D, K, G, stride_xm, stride_om, TILES_PER_SPLIT, GRID_NQ, GRID_N, pid_n, pid_m, pid_k,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-              GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr, UPCAST: tl.constexpr,
-              IEEE: tl.constexpr, TMA: tl.constexpr, XSUM: tl.constexpr, XM: tl.constexpr, DENSE: tl.constexpr):
-        """One (output tile, K split): the int4 columns' (_int4_acc) or, for tiles from GRID_NQ on, the bf16 tail's
-        (_dense_acc: a mixed fused weight's unquantized rows, e.g. the GDN gates b / a next to int4 q/k/v/z, in the
-        same launch instead of a cuBLAS GEMM and its split-K reduction); then the output or the split-K partial.
+        """Grid (GRID_N, M tiles, SPLIT_K): one (output tile, K split) per program. The int4 columns' (_int4_acc)
+        or, with DENSE, for tiles from GRID_NQ on, the bf16 tail's (_dense_acc: d_ptr [N_D, K], output columns N..;
+        a mixed fused weight's unquantized rows, e.g. the GDN gates b / a next to int4 q/k/v/z, in the same launch
+        instead of a cuBLAS GEMM and its split-K reduction); then the output or the split-K partial.
         Split-K: fp32 partial to ws[pid_k] ([SPLIT_K, M, N + N_D]); the last of the tile's SPLIT_K programs sums
         them in split order (deterministic bits) and resets the tile's counter to 0 for the next call."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rm < M
         t0 = pid_k * TILES_PER_SPLIT
@@ -440,15 +422,14 @@ if triton is not None:
         if not DENSE or pid_n < GRID_NQ:
             rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = rn < N
-            acc = _int4_acc(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, xs_ptr, rm, rn, m_ok, n_ok, N, K, G, stride_xm,
-                            t0, t1, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE, TMA,
-                            XSUM, XM)
+            acc = _int4_acc(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, rm, rn, m_ok, n_ok, N, G, stride_xm, t0, t1, pid_n,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, OFF, MAGIC_BITS, UPCAST, IEEE, TMA)
             col = rn
         else:
             rn = (pid_n - GRID_NQ) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = rn < N_D
             acc = _dense_acc(x_ptr, d_ptr, rm, rn, m_ok, n_ok, K, stride_xm, t0, t1, BLOCK_M, BLOCK_N, BLOCK_K,
-                             UPCAST, IEEE, XM)
+                             UPCAST, IEEE)
             col = N + rn
         mask = m_ok[:, None] & n_ok[None, :]
         out = out_ptr + rm[:, None] * stride_om + col[None, :]
@@ -470,10 +451,10 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + tile, 0)
 
     @triton.jit
-    def _int4_acc(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, xs_ptr, rm, rn, m_ok, n_ok, N, K, G, stride_xm, t0, t1,
-                  pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUPS: tl.constexpr, OFF: tl.constexpr, MAGIC_BITS: tl.constexpr, UPCAST: tl.constexpr,
-                  IEEE: tl.constexpr, TMA: tl.constexpr, XSUM: tl.constexpr, XM: tl.constexpr):
+    def _int4_acc(x_ptr, qw_ptr, qw_desc, s_ptr, z_ptr, rm, rn, m_ok, n_ok, N, G, stride_xm, t0, t1, pid_n,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                  OFF: tl.constexpr, MAGIC_BITS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                  TMA: tl.constexpr):
         """x [rm] times the int4 columns rn over K tiles t0 .. t1 -> fp32 [BLOCK_M, BLOCK_N]. Words in shuffle_int4's
         order (BLOCK_K = the weight's block_k). Per K tile: the [BLOCK_N, KW] words (pipelined through shared memory,
         coalesced along N), then per group of the tile (GROUPS = BLOCK_K / G, else 1) its 4 / GROUPS shifts
@@ -481,11 +462,7 @@ if triton is not None:
         MMA's M side (the wgmma / mma.sync A operand straight from the unpacking registers), the few x rows (x^T
         pipelined through shared memory) its N side. Zero and scale apply to the fp32 product of a group:
         acc += (dot(q + OFF, x^T) - (zero + OFF) rowsum(x)) * scale, rowsum(x) being a second dot with a ones
-        operand (the tensor cores are idle at M <= 16), or (XSUM) read from xs_ptr [M, K / KG] fp32 (sums over
-        each dot's k range), summed before the launch: at M = 64 the ones dot doubles the tensor cores' work.
-        XM (Config.x_major): the other way round, out = x W^T with the x rows on the MMA's M side and the unpacked
-        weights its N side (the compiler stages them through shared memory: the wgmma B operand), rowsum(x) a
-        row reduction of the x tile (or XSUM)."""
+        operand (the tensor cores are idle at M <= 16)."""
         dtype = x_ptr.dtype.element_ty
         KW: tl.constexpr = BLOCK_K // 8
         KG: tl.constexpr = BLOCK_K // GROUPS
@@ -493,10 +470,7 @@ if triton is not None:
         i = tl.arange(0, KW)
         kk = tl.arange(0, KG)
         x_rows = x_ptr + rm.to(tl.int64) * stride_xm
-        if XM:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
         # scales and zeros are loaded a tile ahead (the compiler pipelines only the words and x, through
         # shared memory): their DRAM latency would otherwise stall every tile
         t_nx = tl.minimum(t0, t1 - 1)  # an empty split (t0 >= t1 = K / BLOCK_K) reads a valid row, unused
@@ -517,64 +491,37 @@ if triton is not None:
                 s = _group(s_cur, g, GROUPS)
                 z = _group(z_cur, g, GROUPS) + OFF
                 qf = _unpack(words, g * NS, NS, OFF, MAGIC_BITS, UPCAST, dtype)     # [BLOCK_N, KG]: k = kg + col
-                if XM:
-                    xv = tl.load(x_rows[:, None] + (kg + kk)[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, KG]
-                    if UPCAST:
-                        xv = xv.to(tl.float32)
-                    d = _mma(xv, tl.trans(qf), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-                    if XSUM:
-                        xs = tl.load(xs_ptr + rm[:, None] * (K // KG) + kg // KG, mask=m_ok[:, None], other=0.0)
-                    else:
-                        xs = tl.sum(xv.to(tl.float32), axis=1)[:, None]
-                    acc += (d - xs * z[None, :]) * s[None, :]
-                else:
-                    xv = tl.load(x_rows[None, :] + (kg + kk)[:, None], mask=m_ok[None, :], other=0.0)   # x^T [KG, BLOCK_M]
-                    if UPCAST:
-                        xv = xv.to(tl.float32)
-                    d = _mma(qf, xv, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
-                    if XSUM:   # [1, BLOCK_M], loaded in d's column layout
-                        xs = tl.load(xs_ptr + rm[None, :] * (K // KG) + kg // KG, mask=m_ok[None, :], other=0.0)
-                    else:      # rowsum(x) by the idle tensor cores, in d's layout (no cross-thread reduction, no barrier)
-                        xs = _mma(tl.full([BLOCK_N, KG], 1.0, qf.dtype), xv,
-                                  tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
-                    acc += (d - z[:, None] * xs) * s[:, None]
-        if not XM:
-            acc = tl.trans(acc)
-        return acc
+                xv = tl.load(x_rows[None, :] + (kg + kk)[:, None], mask=m_ok[None, :], other=0.0)   # x^T [KG, BLOCK_M]
+                if UPCAST:
+                    xv = xv.to(tl.float32)
+                d = _mma(qf, xv, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+                # rowsum(x) by the idle tensor cores, in d's layout (no cross-thread reduction, no barrier)
+                xs = _mma(tl.full([BLOCK_N, KG], 1.0, qf.dtype), xv,
+                          tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+                acc += (d - z[:, None] * xs) * s[:, None]
+        return tl.trans(acc)
 
     @triton.jit
     def _dense_acc(x_ptr, d_ptr, rm, rn, m_ok, n_ok, K, stride_xm, t0, t1, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                   XM: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         """x [rm] times the bf16 rows rn of d_ptr [N_D, K] over K tiles t0 .. t1 -> fp32 [BLOCK_M, BLOCK_N], in steps
-        of 32 k: its pipelined [BLOCK_N, 32] tiles (8 KB at BLOCK_N 128) need no more shared memory than the int4
-        path's (the compiler lays both branches' buffers over each other), so the int4 programs keep their occupancy."""
+        of 32 k (out^T = W x^T, as _int4_acc): its pipelined [BLOCK_N, 32] tiles (8 KB at BLOCK_N 128) need no more
+        shared memory than the int4 path's (the compiler lays both branches' buffers over each other), so the int4
+        programs keep their occupancy."""
         DK: tl.constexpr = 32
         k = tl.arange(0, DK)
         x_rows = x_ptr + rm.to(tl.int64) * stride_xm
         w_rows = d_ptr + rn.to(tl.int64) * K
-        if XM:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(t0 * BLOCK_K, t1 * BLOCK_K, DK):
             kt = k0 + k
-            w = tl.load(w_rows[:, None] + kt[None, :], mask=n_ok[:, None], other=0.0)             # [BLOCK_N, BLOCK_K]
+            w = tl.load(w_rows[:, None] + kt[None, :], mask=n_ok[:, None], other=0.0)             # [BLOCK_N, DK]
+            xv = tl.load(x_rows[None, :] + kt[:, None], mask=m_ok[None, :], other=0.0)            # x^T [DK, BLOCK_M]
             if UPCAST:
                 w = w.to(tl.float32)
-            if XM:
-                xv = tl.load(x_rows[:, None] + kt[None, :], mask=m_ok[:, None], other=0.0)
-                if UPCAST:
-                    xv = xv.to(tl.float32)
-                acc = _mma(xv, tl.trans(w), acc, IEEE)
-            else:
-                xv = tl.load(x_rows[None, :] + kt[:, None], mask=m_ok[None, :], other=0.0)
-                if UPCAST:
-                    xv = xv.to(tl.float32)
-                acc = _mma(w, xv, acc, IEEE)
-        if not XM:
-            acc = tl.trans(acc)
-        return acc
+                xv = xv.to(tl.float32)
+            acc = _mma(w, xv, acc, IEEE)
+        return tl.trans(acc)
 
     @triton.jit
     def _bytes_to_f32(words, ASM: tl.constexpr):
@@ -725,24 +672,22 @@ if triton is not None:
         tl.store(out_ptr + pid_k * tl.num_programs(0) + pid_n, tl.xor_sum(tl.reshape(acc, [ROWS * BLOCK_N]), 0))
 
     @triton.jit
-    def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, G, stride_w, stride_o, BLOCK_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+    def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, G, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         """W^T [K, N] = (q - z) * s in fp32, rounded to out's dtype (the reference's arithmetic); one K tile
-        of the shuffled words per program. N columns (of rows stride_w apart in words, scales and zeros; stride_o
-        in out): a column range of the weight when the pointers start at its first column."""
+        of the shuffled words and BLOCK_N columns per program."""
         KW: tl.constexpr = BLOCK_K // 8
         k0 = tl.program_id(0) * BLOCK_K
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         i = tl.arange(0, KW)
-        words = tl.load(qw_ptr + (k0 // 8 + i)[:, None] * stride_w + rn[None, :], mask=n_ok[None, :], other=0)
+        words = tl.load(qw_ptr + (k0 // 8 + i)[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0)
         j = tl.arange(0, 8)[:, None, None]
         q = ((words[None, :, :] >> (4 * j)) & 0xF).to(tl.float32)           # [8, KW, BLOCK_N]
         k = k0 + 2 * ((j % 4) * KW + i[None, :, None]) + j // 4             # [8, KW, 1]
         g = (k0 + 2 * (j % 4) * KW) // G                                    # [8, 1, 1]: a nibble is in one group
-        s = tl.load(s_ptr + g * stride_w + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_w + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
-        tl.store(out_ptr + k.to(tl.int64) * stride_o + rn[None, None, :], ((q - z) * s).to(out_ptr.dtype.element_ty),
+        s = tl.load(s_ptr + g * N + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + rn[None, None, :], mask=n_ok[None, None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + k.to(tl.int64) * N + rn[None, None, :], ((q - z) * s).to(out_ptr.dtype.element_ty),
                  mask=(k >= 0) & n_ok[None, None, :])
 
     _INTERPRETED = not isinstance(_w4a16_kernel, triton.runtime.JITFunction)
@@ -754,54 +699,19 @@ def _use_triton(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or (_INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"))
 
 
-def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype, cols: tuple[int, int] | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """W^T [K, N] in `dtype` by the Triton kernel (equal to dequantize_int4(...).t()); cols = (a, b): columns a..b
-    only -> [K, b - a] (into `out`, contiguous, when given)."""
+def dequantize_int4_t(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """W^T [K, N] in `dtype` by the Triton kernel (equal to dequantize_int4(...).t())."""
     K, N = w.in_features, w.out_features
-    a, b = cols or (0, N)
-    out = torch.empty(K, b - a, dtype=dtype, device=w.packed.device) if out is None else out
-    assert out.shape == (K, b - a) and out.is_contiguous()
-    _dequant_kernel[(K // w.block_k, triton.cdiv(b - a, 128))](
-        w.packed[:, a:], w.scales[:, a:], w.zeros[:, a:], out, b - a, w.group_size, N, b - a, BLOCK_K=w.block_k,
-        BLOCK_N=128, num_warps=4)
+    out = torch.empty(K, N, dtype=dtype, device=w.packed.device)
+    _dequant_kernel[(K // w.block_k, triton.cdiv(N, 128))](w.packed, w.scales, w.zeros, out, N, w.group_size,
+                                                           BLOCK_K=w.block_k, BLOCK_N=128, num_warps=4)
     return out
 
 
-# Prefill (M >= LARGE_M): the weight dequantized in this many column slices on a side stream, each slice's GEMM on the
-# current stream while the next slice dequantizes (the dequantize is memory-bound, the GEMM compute-bound: they
-# overlap); 1: dequantize all, then one GEMM. 1 until a GPU has timed the slices (benchmarks/studies/w4a16_prefill.py)
-DEQUANT_PARTS = 1
-_SIDE: dict = {}
-
-
-def dequant_mm(x2: torch.Tensor, w: Int4Weight, parts: int | None = None) -> torch.Tensor:
-    """x2 [M, K] @ W^T by dequantize + cuBLAS, in `parts` column slices (DEQUANT_PARTS) whose dequantize on a side
-    stream overlaps the previous slice's GEMM; two slice buffers, each reused once its GEMM is done."""
-    K, N = w.in_features, w.out_features
-    parts = max(1, min(parts or DEQUANT_PARTS, N // 128))
-    if parts == 1 or not x2.is_cuda:
-        return x2 @ dequantize_int4_t(w, x2.dtype)
-    width = triton.cdiv(triton.cdiv(N, parts), 128) * 128
-    cols = [(a, min(N, a + width)) for a in range(0, N, width)]
-    main = torch.cuda.current_stream(x2.device)
-    side = _SIDE.setdefault(x2.device, torch.cuda.Stream(x2.device))
-    out = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
-    bufs = [torch.empty(K * width, dtype=x2.dtype, device=x2.device) for _ in range(min(2, len(cols)))]
-    ready = [torch.cuda.Event() for _ in cols]
-    free = [torch.cuda.Event() for _ in cols]
-    side.wait_stream(main)
-    for j, (a, b) in enumerate(cols):
-        wj = bufs[j % 2][:K * (b - a)].view(K, b - a)
-        with torch.cuda.stream(side):
-            if j >= 2:
-                side.wait_event(free[j - 2])          # the buffer's previous slice has been multiplied
-            dequantize_int4_t(w, x2.dtype, (a, b), wj)
-            ready[j].record(side)
-        main.wait_event(ready[j])
-        torch.mm(x2, wj, out=out[:, a:b])
-        free[j].record(main)
-    return out
+# Prefill (M >= LARGE_M): dequantize all, then one GEMM; column slices on a side stream measured slower (H100 run 130)
+def dequant_mm(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x2 [M, K] @ W^T by the Triton dequantize to x2's dtype and one cuBLAS GEMM."""
+    return x2 @ dequantize_int4_t(w, x2.dtype)
 
 
 def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config, dense: torch.Tensor | None = None) -> torch.Tensor:
@@ -824,19 +734,13 @@ def w4a16_gemm_triton(x2: torch.Tensor, w: Int4Weight, cfg: Config, dense: torch
     if cfg.tma and TensorDescriptor is None:
         raise RuntimeError(f"Config.tma needs triton.tools.tensor_descriptor (Triton >= 3.4), not in Triton {triton.__version__}")
     desc = TensorDescriptor.from_tensor(w.packed, [bk // 8, cfg.block_n]) if cfg.tma else None
-    # rowsum(x) over each dot's k range (a group, or the K tile inside one) [M, K / kg], fp32: one reduction kernel
-    kg = min(bk, G)
-    xs = torch.sum(x2.unflatten(1, (K // kg, kg)), -1, dtype=torch.float32) if cfg.xsum else out
-    items = grid_n * grid_m * split
-    grid = (min(items, cfg.persistent * _num_sms(x2.device)),) if cfg.persistent else (grid_n, grid_m, split)
     if dense is not None:
         assert dense.dtype == x2.dtype and dense.is_contiguous() and dense.shape[1] == K, (dense.dtype, dense.shape)
-    _w4a16_kernel[grid](
-        x2, w.packed, desc, w.scales, w.zeros, out if dense is None else dense, out, ws, w.counters, xs, M, N, n_d, K,
-        G, x2.stride(0), out.stride(0), tiles, grid_nq, grid_n, grid_m, DENSE=dense is not None,
+    _w4a16_kernel[(grid_n, grid_m, split)](
+        x2, w.packed, desc, w.scales, w.zeros, out if dense is None else dense, out, ws, w.counters, M, N, n_d, K,
+        G, x2.stride(0), out.stride(0), tiles, grid_nq, grid_n, DENSE=dense is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, GROUPS=groups, OFF=off,
-        MAGIC_BITS=bits, UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, TMA=cfg.tma, XSUM=cfg.xsum, XM=cfg.x_major,
-        PERSIST=cfg.persistent > 0,
+        MAGIC_BITS=bits, UPCAST=_INTERPRETED, IEEE=x2.dtype == torch.float32, TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
