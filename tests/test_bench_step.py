@@ -194,6 +194,20 @@ def cpu_run(tmp_path_factory):
     return out, json.load(open(out / "cpu.json")), stdout
 
 
+def test_speculative_step_reports_accepted_length_and_projection(tmp_path):
+    """--num-speculative-tokens on a random-weight model with an MTP layer: every timed step verifies each agent's
+    drafts, which are rejected (accepted length ~1); the report adds agents x reference length / step time."""
+    stdout = bench_step(["--model", "random:tiny-hybrid+mtp", "--agents", "2", "--context", "1K", "--fill", "random",
+                         "--tail", "256", "--steps", "2", "--warmup-steps", "1", "--num-speculative-tokens", "3",
+                         "--reference-accepted-length", "3.3", "--out-dir", str(tmp_path), "--name", "spec", *SMALL])
+    r = json.load(open(tmp_path / "spec.json"))
+    d, s = r["decode"], r["decode"]["speculative"]
+    assert s["num_speculative_tokens"] == 3 and 1.0 <= s["mean_accepted_length"] < 1.5
+    assert s["mean_accepted_length"] == pytest.approx(d["tok_s"] * d["step_ms_mean"] / 1e3 / 2)
+    assert s["projected_tok_s"] == pytest.approx(2 * 3.3 / (d["step_ms_mean"] / 1e3))
+    assert "MTP-3: accepted length" in stdout and "at accepted length 3.30" in (tmp_path / "spec.md").read_text()
+
+
 def test_cpu_run_writes_the_step_and_its_floor(cpu_run):
     out, r, stdout = cpu_run
     d, f, b = r["decode"], r["floor"], r["bytes_per_step"]

@@ -163,11 +163,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "common timed window; several values (e.g. 1 2) also give the ratio to one replica. "
                         "--sparse-host-budget-gb is per replica (default: half the available RAM, split)")
     p.add_argument("--quiet", action="store_true")
+    add_reference_accepted_length(p)
+    add_engine_args(p)
+
+
+def add_reference_accepted_length(p: argparse.ArgumentParser) -> None:
+    """--reference-accepted-length (bench agents, bench step)."""
     p.add_argument("--reference-accepted-length", type=float, default=None, metavar="L",
                    help="with --num-speculative-tokens on a random-weight model (its drafts are rejected, so every "
                         "step verifies n drafts and keeps one token): also report agents x L / measured step time, "
                         "L = the mean accepted length measured on a trained model (benchmarks/bench_mtp.py)")
-    add_engine_args(p)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -73,6 +73,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="output file stem (default: step-MODEL-CONFIG-NxL-DATE, e.g. step-qwen3.5-27b-sparse-8x250K-"
                         "2026-12-05)")
     p.add_argument("--quiet", action="store_true")
+    A.add_reference_accepted_length(p)
     A.add_engine_args(p)
 
 
@@ -155,9 +156,15 @@ def run(args) -> dict:
         decode = {"steps": len(times), "step_ms_mean": 1e3 * step_s, "step_ms_p50": 1e3 * statistics.median(times),
                   "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times), "tok_s": tokens / sum(times),
                   "context_mean": ctx_mean, "graphs": bool(runner.graphs)}
+        if steps.num_speculative_tokens:   # every step verifies every agent's drafts
+            ref = args.reference_accepted_length
+            decode["speculative"] = {"num_speculative_tokens": steps.num_speculative_tokens,
+                                     "mean_accepted_length": tokens / (n * len(times)),   # tokens kept per verification
+                                     "reference_accepted_length": ref,
+                                     "projected_tok_s": n * ref / step_s if ref else None}
         b, floor = A.step_floor(shape, sp, args.config, n, ctx_mean, pcie, tier0 is not None, bw, step_s)
         log(f"step {decode['step_ms_mean']:.2f} ms ({decode['tok_s']:.1f} tok/s), floor {floor['ms']:.2f} ms "
-            f"({floor['fraction']:.0%})")
+            f"({floor['fraction']:.0%})" + _spec_note(decode))
         # ---- profile
         profile = None
         if args.profile and dev.type == "cuda":
@@ -217,6 +224,17 @@ def _title(r: dict) -> str:
     return f"{os.path.basename(r['model'].rstrip('/'))}, {r['config']}, {r['agents']} x {C.fmt_len(r['context'])}"
 
 
+def _spec_note(d: dict) -> str:
+    """The log / table note of a speculative step: its measured accepted length, the projected tok/s."""
+    sp = d.get("speculative")
+    if not sp:
+        return ""
+    note = f"; MTP-{sp['num_speculative_tokens']}: accepted length {sp['mean_accepted_length']:.2f} (measured)"
+    if sp["projected_tok_s"]:
+        note += f", {sp['projected_tok_s']:.1f} tok/s at accepted length {sp['reference_accepted_length']:.2f}"
+    return note
+
+
 def markdown(r: dict, png: str = "") -> str:
     info, d, f, b, bw = r["info"], r["decode"], r["floor"], r["bytes_per_step"], r["bandwidth"]
     L = [f"# Decode step: {_title(r)}", "",
@@ -241,6 +259,10 @@ def markdown(r: dict, png: str = "") -> str:
           f"{d['tok_s']:.1f} | {f['ms']:.3f} | {f['fraction']:.1%} | {b['hbm'] / 1e9:.3g} ({A._gb(b['weights'])} / "
           f"{A._gb(b['gdn_state'])} / {A._gb(b['kv'])} / {A._gb(b['sketch'])}) | {b['pcie'] / 1e6:.3g} | "
           f"{'–' if r['tier'] is None else format(r['tier']['hit_rate'], '.3f')} |"]
+    if d.get("speculative"):
+        L += ["", "Speculative verification steps (each agent's last token + its drafts, every step)"
+              + _spec_note(d) + ". A random-weight model's drafts are rejected: its measured length is ~1; the "
+              "projection (--reference-accepted-length) is agents x that length / the measured step time."]
     p = r["profile"]
     if p and "timeline" in p:
         L += _timeline_md(p, png)
@@ -319,6 +341,8 @@ def table(r: dict) -> str:
              f"{d['step_ms_mean']:.3f}"),
             ("tok/s", f"{d['tok_s']:.1f}"),
             ("floor ms (fraction)", f"{f['ms']:.3f} ({f['fraction']:.1%})")]
+    if d.get("speculative"):
+        rows.append(("speculative", _spec_note(d)[2:]))
     p = r["profile"]
     if p and "timeline" in p:
         t = p["timeline"]["totals"]
