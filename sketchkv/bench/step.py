@@ -164,7 +164,7 @@ def run(args) -> dict:
                                      "projected_tok_s": n * ref / step_s if ref else None}
         b, floor = A.step_floor(shape, sp, args.config, n, ctx_mean, pcie, tier0 is not None, bw, step_s)
         log(f"step {decode['step_ms_mean']:.2f} ms ({decode['tok_s']:.1f} tok/s), floor {floor['ms']:.2f} ms "
-            f"({floor['fraction']:.0%})" + _spec_note(decode))
+            f"({floor['fraction']:.0%})" + ("; " + _spec_note(decode) if "speculative" in decode else ""))
         # ---- profile
         profile = None
         if args.profile and dev.type == "cuda":
@@ -226,10 +226,8 @@ def _title(r: dict) -> str:
 
 def _spec_note(d: dict) -> str:
     """The log / table note of a speculative step: its measured accepted length, the projected tok/s."""
-    sp = d.get("speculative")
-    if not sp:
-        return ""
-    note = f"; MTP-{sp['num_speculative_tokens']}: accepted length {sp['mean_accepted_length']:.2f} (measured)"
+    sp = d["speculative"]
+    note = f"MTP-{sp['num_speculative_tokens']}: accepted length {sp['mean_accepted_length']:.2f} (measured)"
     if sp["projected_tok_s"]:
         note += f", {sp['projected_tok_s']:.1f} tok/s at accepted length {sp['reference_accepted_length']:.2f}"
     return note
@@ -260,7 +258,7 @@ def markdown(r: dict, png: str = "") -> str:
           f"{A._gb(b['gdn_state'])} / {A._gb(b['kv'])} / {A._gb(b['sketch'])}) | {b['pcie'] / 1e6:.3g} | "
           f"{'–' if r['tier'] is None else format(r['tier']['hit_rate'], '.3f')} |"]
     if d.get("speculative"):
-        L += ["", "Speculative verification steps (each agent's last token + its drafts, every step)"
+        L += ["", "Speculative verification steps (each agent's last token + its drafts, every step): "
               + _spec_note(d) + ". A random-weight model's drafts are rejected: its measured length is ~1; the "
               "projection (--reference-accepted-length) is agents x that length / the measured step time."]
     p = r["profile"]
@@ -342,7 +340,7 @@ def table(r: dict) -> str:
             ("tok/s", f"{d['tok_s']:.1f}"),
             ("floor ms (fraction)", f"{f['ms']:.3f} ({f['fraction']:.1%})")]
     if d.get("speculative"):
-        rows.append(("speculative", _spec_note(d)[2:]))
+        rows.append(("speculative", _spec_note(d)))
     p = r["profile"]
     if p and "timeline" in p:
         t = p["timeline"]["totals"]
