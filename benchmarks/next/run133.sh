@@ -8,16 +8,17 @@
 # run(command="END=560 bash benchmarks/next/run133.sh", carry=[".whl"], timeout_s=595, kind="nvidia-h200")
 . benchmarks/next/preamble.sh
 END=${END:-560}
-B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --model random:qwen3.5-27b-w4a16 --steps 12"
-STEP_S=300 step w4a16-profile python3 -m sketchkv $B --profile
+B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --steps 12"
+W=random:qwen3.5-27b-w4a16
+STEP_S=300 step w4a16-profile python3 -m sketchkv $B --model $W --profile
 for i in 1 2; do
   L=$(left $((END - 150))); [ $L -lt 15 ] && break
   timeout $L python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/test_ops_w4a16.py \
     -k "27b_shapes_match_reference or spanning or graph or mixed" > $OUT/pytest-$i.txt 2>&1
   rc=$?; mark "pytest-$i" $rc; [ $rc -eq 0 ] && { tail -1 $OUT/pytest-$i.txt >> $OUT/all.log; rm $OUT/pytest-$i.txt; }
 done
-STEP_S=110 step w4a16-rows python3 -m sketchkv $B --sparse-miss-read rows
-STEP_S=170 step w4a16-mtp-profile python3 -m sketchkv $B --model random:qwen3.5-27b-w4a16+mtp --num-speculative-tokens 7 \
+STEP_S=110 step w4a16-rows python3 -m sketchkv $B --model $W --sparse-miss-read rows
+STEP_S=170 step w4a16-mtp-profile python3 -m sketchkv $B --model $W+mtp --num-speculative-tokens 7 \
   --sparse-verify-selection shared --reference-accepted-length 4.06 --profile
 tar czf $OUT/r.tgz -C $OUT r && rm -rf $OUT/r
 grep -h -E "^E |passed|failed" $OUT/pytest-*.txt 2>/dev/null | head -12 | cut -c1-220
