@@ -312,9 +312,9 @@ def _check_gpu(got, x, q, s, z, G, what: str = ""):
     its output once (2^-9 relative). The prefill path (M >= LARGE_M) dequantizes the weights to x's dtype first and
     hands them to cuBLAS, so its reference is those rounded weights: against the exact ones the rounding alone is
     ~2.3e-3 of the output's rms per output (one sigma; zero points far from the codes make the weights larger than
-    the output suggests), and over 29M outputs of a 27B shape its tail reached the bound once in ~30 runs
-    (attn_qkv, M = 2,048, excess 1e-3: H200 runs 131-132). Either way a wrong nibble, group or split is off by
-    O(rms)."""
+    the output suggests), and over a 27B shape's outputs its tail reached the bound twice in ~55 runs of a shape's
+    test (H200 runs 131 and 132; run 132's: attn_qkv, M = 2,048, 1 of 29M outputs, excess 1e-3). Either way a wrong
+    nibble, group or split is off by O(rms)."""
     w = dequantize_int4(pack_int4(q), s.float(), z.float(), G)
     if x.shape[0] >= LARGE_M and got.is_cuda:
         w = w.to(x.dtype).float()

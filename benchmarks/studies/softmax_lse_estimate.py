@@ -9,7 +9,7 @@ lse), storing nothing. This patches `sketchkv.ops.sketch.softmax_combine` (the C
 oracle) with that estimate, lse_h ~ logsumexp(sampled scores) + log(STRIDE), and runs `sketchkv.eval.sweep` with
 the remaining arguments, so its KL can be paired token by token with an unpatched sweep of the same samples.
 
-    python benchmarks/studies/softmax_lse_estimate.py --stride 16 --block 64 -- DATA... --model M --basis 32=B ...
+    python benchmarks/studies/softmax_lse_estimate.py --stride 16 --block 1 -- DATA... --model M --basis 32=B ...
 """
 import argparse
 import math
@@ -39,7 +39,8 @@ def estimated_softmax_combine(stride: int, block: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stride", type=int, default=16, help="one block of every STRIDE is scored for the normalizer")
-    ap.add_argument("--block", type=int, default=64, help="tokens per sampled block (the KV block size)")
+    ap.add_argument("--block", type=int, default=1,
+                    help="tokens per sampled block (1: strided tokens; 64, whole KV blocks, sampled worse on SmolLM2)")
     args, rest = ap.parse_known_args()
     sketch.softmax_combine = estimated_softmax_combine(args.stride, args.block)
     sweep.main([a for a in rest if a != "--"])
