@@ -160,6 +160,31 @@ def test_gpu_topk_first_round_counted_by_scoring(kernel, combine, shared):
 
 
 @pytest.mark.parametrize("shared", [True, False])
+def test_gpu_sampled_softmax_normalizer_one_pass_250k(shared):
+    """lse_stride 16 at 8 x 250K: the one-pass softmax (normalizers from every 16th position first) within the
+    tensor-core bound of the sampled reference, its counted first radix round equal to radix_histograms', and the
+    same picks as top-k alone; in 4-row read groups and all 8 rows."""
+    q, packed, scale, geo = _sketch_250k(15)
+    sm = D ** -0.5
+    for rows in (slice(0, 4), slice(0, 8)):
+        g = (geo[0][rows], geo[1][rows], *geo[2:])
+        qq = q[rows].half().float()
+        n = (rows.stop - rows.start) * (1 if shared else HKV)
+        hist = radix_hist_buffer(n, q.device)
+        hist.fill_(-7)
+        out = sketch_score(qq, packed, scale, *g, shared, "softmax", sm, radix_hist=hist, lse_stride=16)
+        ref = sketch_score_ref(qq, packed, scale, *g, shared, "softmax", sm, lse_stride=16)
+        assert torch.equal(torch.isinf(out), torch.isinf(ref))
+        fin = torch.isfinite(ref)
+        bound = dot_error_bound(qq, packed, scale, g, shared, "softmax", sm, True)
+        err = (out - ref)[fin].abs()
+        assert (err <= bound[fin] + 1e-3 * (1 + ref[fin].abs())).all(), err.max()
+        want = radix_histograms(out.view(n, -1), 2048)
+        assert torch.equal(hist[0], want[0]) and not hist[1:].any()
+        assert torch.equal(topk_positions(out, 2048, SENTINEL, hist=hist), topk_positions(out, 2048, SENTINEL))
+
+
+@pytest.mark.parametrize("shared", [True, False])
 def test_gpu_select_top_k_is_compose_of_topk(shared, monkeypatch):
     """The engine's plain decode selection at 8 x 250K: top-k's compaction writing the composed rows (sinks, picks,
     recent) equals compose_selection of the picks, from the softmax scores and their counted first round."""

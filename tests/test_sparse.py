@@ -310,6 +310,49 @@ def test_interp_scoring_counts_topk_first_round(kernel, combine, shared):
             assert torch.equal(topk_positions(out, k, SENTINEL, hist=h), topk_positions(out, k, SENTINEL))
 
 
+@needs_interp
+@pytest.mark.parametrize("shared", [True, False])
+def test_interp_sampled_softmax_normalizer_one_pass_matches_reference(shared):
+    """lse_stride: each head's normalizer from every lse_stride-th position (a sampled MODE 2 pass, then
+    _lse_finish_kernel), then one scoring pass that combines as it scores and counts top-k's first radix round:
+    within the tensor-core bound of the reference's sampled softmax_combine, which differs from the exact one."""
+    torch.manual_seed(11)
+    lens, max_len, r, Hkv, sm = [1, 37, 129, 300], 301, 32, 2, 0.2
+    packed, scale, tables, seq_lens = _paged_sketch(lens, Hkv=Hkv, r=r, bs=16, seed=6)
+    q = (torch.randn(4, Hkv, 3, r) * 3).half().float()
+    geo = (tables, seq_lens, 4, 16, max_len)
+    rows = 4 * (1 if shared else Hkv)
+    for stride in (4, 16):
+        hist = radix_hist_buffer(rows, q.device)
+        hist.fill_(12345)                                   # stale contents must not survive
+        out = sketch_score(q, packed, scale, *geo, shared, "softmax", sm, radix_hist=hist, lse_stride=stride)
+        ref = sketch_score_ref(q, packed, scale, *geo, shared, "softmax", sm, lse_stride=stride)
+        exact = sketch_score_ref(q, packed, scale, *geo, shared, "softmax", sm)
+        assert out.shape == ref.shape and torch.equal(torch.isinf(out), torch.isinf(ref))
+        fin = torch.isfinite(ref)
+        bound = dot_error_bound(_as_heads(q), packed, scale, geo, shared, "softmax", sm, True)
+        err = (out - ref)[fin].abs()
+        assert (err <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all(), (stride, err.max())
+        assert (exact - ref)[fin].abs().max() > 1e-3       # the estimate is not the exact normalizer
+        assert torch.equal(hist[0], radix_histograms(out.view(rows, max_len), 50)[0]) and not hist[1:].any()
+        assert torch.equal(sketch_score(q, packed, scale, *geo, shared, "softmax", sm, lse_stride=stride), out)
+    with pytest.raises(ValueError, match="needs the dot kernel"):
+        sketch_score(q, packed, scale, *geo, shared, "softmax", sm, kernel="fma", lse_stride=16)
+
+
+def test_softmax_combine_sampled_normalizer_is_the_sampled_logsumexp():
+    """The reference's estimate: logsumexp over positions t % stride == 0, plus log(stride); 0 (no shift) for a
+    head whose sampled positions hold no candidate."""
+    s = torch.randn(2, 4, 64) * 3
+    s[1, :, ::8] = float("-inf")                       # row 1: no sampled candidate
+    out = softmax_combine(s, 2, False, 0.5, lse_stride=8)
+    x = s * 0.5
+    lse = torch.logsumexp(x[..., ::8], -1, keepdim=True) + torch.log(torch.tensor(8.0))
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    want = torch.logsumexp((x - lse).view(2, 2, 2, 64), 2)
+    torch.testing.assert_close(out, want)
+
+
 def test_softmax_combine_compiles_for_a_chunk_selection():
     """A prompt chunk's selection combines 16 rows x 6 query heads per KV head (the 27B shape). Compiled for an
     H200 on this machine (tests/triton_compile_check.py's fake device): the kernel loops over those 384 heads
@@ -909,6 +952,23 @@ def test_shared_verification_selection(ckpt_with_basis_and_mtp, eager_graphs, mo
     r = eager_graphs(graphed.engine.runner)
     assert _run_with_oracle(graphed, prompts, sp, {tuple(p): p + r for p, r in zip(prompts, ref)}) == want
     assert sum(type(g).count for g in r.verify_graphs.values()) > 0
+
+
+def test_sampled_softmax_normalizer_knob(ckpt_with_basis):
+    """sparse_softmax_lse_stride: negative or with a kernel other than dot is a one-line error at load; 16 decodes
+    (the CPU reference path) with a scoring that a sampled normalizer can change."""
+    from sketchkv.errors import RequestError
+    with pytest.raises(RequestError, match="sparse_softmax_lse_stride must be >= 0"):
+        LLM(ckpt_with_basis, device="cpu", sparse=True, sparse_softmax_lse_stride=-1)
+    with pytest.raises(RequestError, match="needs sparse_score_kernel auto or dot, got 'fma'"):
+        LLM(ckpt_with_basis, device="cpu", sparse=True, sparse_softmax_lse_stride=16, sparse_score_kernel="fma")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cfg = SparseConfig(sparse=True, top_k=16, sink_tokens=4, recent_tokens=8, dense_threshold=0, softmax_lse_stride=16)
+    llm = LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=cfg)
+    out = llm.generate(prompt_token_ids=[_prompt(400, 3)], sampling_params=sp)[0]
+    assert len(out.token_ids) == 6
+    idx, counts = llm.engine.runner.sparse_layers[1].last_indices
+    assert counts.tolist() == [4 + 16 + 8]
 
 
 @pytest.mark.parametrize("knob,value", [("sparse_head_combine", "mean"), ("sparse_score_kernel", "wgmma"),

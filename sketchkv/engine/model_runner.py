@@ -111,6 +111,10 @@ class ModelRunner:
                                f"{cfg.mtp_attention_window}")
         if sp.score_kernel not in sketch_ops.KERNELS:
             raise RequestError(f"sparse_score_kernel must be one of {', '.join(sketch_ops.KERNELS)}, got {sp.score_kernel!r}")
+        if sp.softmax_lse_stride < 0:
+            raise RequestError(f"sparse_softmax_lse_stride must be >= 0 (0: exact normalizers), got {sp.softmax_lse_stride}")
+        if sp.softmax_lse_stride > 1 and sp.head_combine == "softmax" and sp.score_kernel not in ("auto", "dot"):
+            raise RequestError(f"sparse_softmax_lse_stride needs sparse_score_kernel auto or dot, got {sp.score_kernel!r}")
         if sp.tier_kernel not in ("torch", "triton"):
             raise RequestError(f"sparse_tier_kernel must be torch or triton, got {sp.tier_kernel!r}")
         if sp.read_groups < 1:
@@ -143,6 +147,10 @@ class ModelRunner:
                 m.prefill_backend = cfg.prefill_attention
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
         self.tier_layers = [m for m in self.attn_layers if isinstance(m, TieredKV)]
+        if sp.softmax_lse_stride > 1 and sp.head_combine == "softmax" and self.device.type == "cuda" and \
+                any(m.rank % 32 for m in self.sparse_layers):
+            raise RequestError(f"sparse_softmax_lse_stride needs a sketch rank that is a multiple of 32 (the dot kernel), "
+                               f"got rank {self.sparse_layers[0].rank}")
         sketch_tier = bool(self.tier_layers) and all(isinstance(m, SparseAttention) for m in self.tier_layers)
         self.residual_keys = resolved_host_residual_keys(cfg.sparse, sketch_tier)
         if self.residual_keys and not sketch_tier:

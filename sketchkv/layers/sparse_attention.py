@@ -142,9 +142,12 @@ class SparseAttention(Attention):
             if not (self.tensor_parallel and c.shared_selection):   # (reduced across ranks after the kernels: no count)
                 hist = radix_hist_buffer(qg.shape[0] * (1 if c.shared_selection else self.num_kv_heads), qg.device)
             qp = project_queries(qg, self.basis, c.head_combine == "sum")
+            # the sampled normalizer: decode rows (a prompt chunk's selection scores hundreds of query heads per KV
+            # head: too many for the one-pass kernel's registers; it stores them and combines exactly)
+            lse_stride = c.softmax_lse_stride if qg.shape[2] <= 32 else 0
             scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens, c.sink_tokens,
                                   c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale,
-                                  kernel=c.score_kernel, radix_hist=hist)
+                                  kernel=c.score_kernel, radix_hist=hist, lse_stride=lse_stride)
         if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
             scores = reduce_selection_scores(scores, c.head_combine)
         return scores, hist
