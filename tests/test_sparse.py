@@ -12,8 +12,9 @@ from sketchkv.kv.basis import KeyBasis
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops import paged_attention as pa
 from sketchkv.ops.sketch import (dequantize_int4, project_queries, project_queries_ref, quantize_int4,
-                                 quantize_query_int8, query_words, query_words_ref, sketch_keys_ref, sketch_score,
-                                 sketch_score_dot, sketch_score_dp4a, sketch_score_ref, softmax_combine)
+                                 lse_sample_strides, quantize_query_int8, query_words, query_words_ref,
+                                 sketch_keys_ref, sketch_score, sketch_score_dot, sketch_score_dp4a, sketch_score_ref,
+                                 softmax_combine)
 from sketchkv.ops.selection import SENTINEL, compose_selection, compose_selection_ref, select_top_k
 from sketchkv.ops.sketch_base import apply_sketch_base, row_slots, sketch_base_ref
 from sketchkv.ops.sparse_attention import sparse_attention, sparse_attention_ref
@@ -313,9 +314,10 @@ def test_interp_scoring_counts_topk_first_round(kernel, combine, shared):
 @needs_interp
 @pytest.mark.parametrize("shared", [True, False])
 def test_interp_sampled_softmax_normalizer_one_pass_matches_reference(shared):
-    """lse_stride: each head's normalizer from every lse_stride-th position (a sampled MODE 2 pass, then
-    _lse_finish_kernel), then one scoring pass that combines as it scores and counts top-k's first radix round:
-    within the tensor-core bound of the reference's sampled softmax_combine, which differs from the exact one."""
+    """lse_stride: each head's normalizer from every st-th position of its sequence, st = min(lse_stride,
+    max(1, n // lse_min_samples)) (a sampled MODE 2 pass, then _lse_finish_kernel), then one scoring pass that
+    combines as it scores and counts top-k's first radix round: within the tensor-core bound of the reference's
+    sampled softmax_combine, which differs from the exact one. Strides here 1 / 4 / 16 / 16 (or 1 / 4 / 4 / 4)."""
     torch.manual_seed(11)
     lens, max_len, r, Hkv, sm = [1, 37, 129, 300], 301, 32, 2, 0.2
     packed, scale, tables, seq_lens = _paged_sketch(lens, Hkv=Hkv, r=r, bs=16, seed=6)
@@ -325,8 +327,9 @@ def test_interp_sampled_softmax_normalizer_one_pass_matches_reference(shared):
     for stride in (4, 16):
         hist = radix_hist_buffer(rows, q.device)
         hist.fill_(12345)                                   # stale contents must not survive
-        out = sketch_score(q, packed, scale, *geo, shared, "softmax", sm, radix_hist=hist, lse_stride=stride)
-        ref = sketch_score_ref(q, packed, scale, *geo, shared, "softmax", sm, lse_stride=stride)
+        out = sketch_score(q, packed, scale, *geo, shared, "softmax", sm, radix_hist=hist, lse_stride=stride,
+                           lse_min_samples=8)
+        ref = sketch_score_ref(q, packed, scale, *geo, shared, "softmax", sm, lse_stride=stride, lse_min_samples=8)
         exact = sketch_score_ref(q, packed, scale, *geo, shared, "softmax", sm)
         assert out.shape == ref.shape and torch.equal(torch.isinf(out), torch.isinf(ref))
         fin = torch.isfinite(ref)
@@ -335,22 +338,32 @@ def test_interp_sampled_softmax_normalizer_one_pass_matches_reference(shared):
         assert (err <= bound[fin] + 1e-4 * (1 + ref[fin].abs())).all(), (stride, err.max())
         assert (exact - ref)[fin].abs().max() > 1e-3       # the estimate is not the exact normalizer
         assert torch.equal(hist[0], radix_histograms(out.view(rows, max_len), 50)[0]) and not hist[1:].any()
-        assert torch.equal(sketch_score(q, packed, scale, *geo, shared, "softmax", sm, lse_stride=stride), out)
-    with pytest.raises(ValueError, match="needs the dot kernel"):
-        sketch_score(q, packed, scale, *geo, shared, "softmax", sm, kernel="fma", lse_stride=16)
+        assert torch.equal(sketch_score(q, packed, scale, *geo, shared, "softmax", sm, lse_stride=stride,
+                                        lse_min_samples=8), out)
+        # the default minimum (4,096 positions) keeps these short sequences exact
+        assert torch.equal(sketch_score_ref(q, packed, scale, *geo, shared, "softmax", sm, lse_stride=stride), exact)
+    # another kernel (here: on a CPU) falls back to the reference, which samples the same positions, and counts
+    hist.fill_(12345)
+    fma = sketch_score(q, packed, scale, *geo, shared, "softmax", sm, kernel="fma", lse_stride=16, lse_min_samples=8,
+                       radix_hist=hist)
+    assert torch.equal(fma, sketch_score_ref(q, packed, scale, *geo, shared, "softmax", sm, lse_stride=16,
+                                             lse_min_samples=8))
+    assert torch.equal(hist[0], radix_histograms(fma.view(rows, max_len), 50)[0]) and not hist[1:].any()
 
 
 def test_softmax_combine_sampled_normalizer_is_the_sampled_logsumexp():
-    """The reference's estimate: logsumexp over positions t % stride == 0, plus log(stride); 0 (no shift) for a
-    head whose sampled positions hold no candidate."""
-    s = torch.randn(2, 4, 64) * 3
+    """The reference's estimate: per row, logsumexp over positions t % stride == 0, plus log(stride); 0 (no shift)
+    for a head whose sampled positions hold no candidate. Strides: min(max, max(1, n // min_samples))."""
+    assert lse_sample_strides(torch.tensor([0, 100, 8191, 8192, 40000, 10 ** 6]), 16).tolist() == [1, 1, 1, 2, 9, 16]
+    s = torch.randn(3, 4, 64) * 3
     s[1, :, ::8] = float("-inf")                       # row 1: no sampled candidate
-    out = softmax_combine(s, 2, False, 0.5, lse_stride=8)
+    strides = torch.tensor([8, 8, 3])
+    out = softmax_combine(s, 2, False, 0.5, strides)
     x = s * 0.5
-    lse = torch.logsumexp(x[..., ::8], -1, keepdim=True) + torch.log(torch.tensor(8.0))
-    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    want = torch.logsumexp((x - lse).view(2, 2, 2, 64), 2)
-    torch.testing.assert_close(out, want)
+    for b, st in enumerate(strides.tolist()):
+        lse = torch.logsumexp(x[b, :, ::st], -1, keepdim=True) + torch.log(torch.tensor(float(st)))
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        torch.testing.assert_close(out[b], torch.logsumexp((x[b] - lse).view(2, 2, 64), 1))
 
 
 def test_softmax_combine_compiles_for_a_chunk_selection():
@@ -955,15 +968,18 @@ def test_shared_verification_selection(ckpt_with_basis_and_mtp, eager_graphs, mo
 
 
 def test_sampled_softmax_normalizer_knob(ckpt_with_basis):
-    """sparse_softmax_lse_stride: negative or with a kernel other than dot is a one-line error at load; 16 decodes
-    (the CPU reference path) with a scoring that a sampled normalizer can change."""
+    """sparse_softmax_lse_stride: negative or with a kernel other than dot is a one-line error at load, as is a
+    minimum below 1; 16 decodes (the CPU reference path) with a scoring that a sampled normalizer can change."""
     from sketchkv.errors import RequestError
     with pytest.raises(RequestError, match="sparse_softmax_lse_stride must be >= 0"):
         LLM(ckpt_with_basis, device="cpu", sparse=True, sparse_softmax_lse_stride=-1)
     with pytest.raises(RequestError, match="needs sparse_score_kernel auto or dot, got 'fma'"):
         LLM(ckpt_with_basis, device="cpu", sparse=True, sparse_softmax_lse_stride=16, sparse_score_kernel="fma")
+    with pytest.raises(RequestError, match="sparse_softmax_lse_min_samples must be >= 1, got 0"):
+        LLM(ckpt_with_basis, device="cpu", sparse=True, sparse_softmax_lse_stride=16, sparse_softmax_lse_min_samples=0)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    cfg = SparseConfig(sparse=True, top_k=16, sink_tokens=4, recent_tokens=8, dense_threshold=0, softmax_lse_stride=16)
+    cfg = SparseConfig(sparse=True, top_k=16, sink_tokens=4, recent_tokens=8, dense_threshold=0, softmax_lse_stride=16,
+                       softmax_lse_min_samples=16)   # 405 tokens: every 16th position
     llm = LLM(ckpt_with_basis, device="cpu", block_size=16, sparse=cfg)
     out = llm.generate(prompt_token_ids=[_prompt(400, 3)], sampling_params=sp)[0]
     assert len(out.token_ids) == 6

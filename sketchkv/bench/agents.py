@@ -61,7 +61,7 @@ SPARSE_KNOBS = ("sparse_top_k", "sparse_sink_tokens", "sparse_recent_tokens", "s
                 "sparse_hot_fraction", "sparse_host_budget_gb", "sparse_gpu_budget_gb", "sparse_basis",
                 "sparse_head_combine", "sparse_score_kernel", "sparse_tier_kernel", "sparse_verify_selection",
                 "sparse_prefill_selection", "sparse_admit_stream", "sparse_host_residual_keys", "sparse_read_groups",
-                "sparse_miss_read", "sparse_softmax_lse_stride")
+                "sparse_miss_read", "sparse_softmax_lse_stride", "sparse_softmax_lse_min_samples")
 LONG = 240_000  # "250K-class" contexts for the goal checks
 
 

@@ -113,6 +113,8 @@ class ModelRunner:
             raise RequestError(f"sparse_score_kernel must be one of {', '.join(sketch_ops.KERNELS)}, got {sp.score_kernel!r}")
         if sp.softmax_lse_stride < 0:
             raise RequestError(f"sparse_softmax_lse_stride must be >= 0 (0: exact normalizers), got {sp.softmax_lse_stride}")
+        if sp.softmax_lse_min_samples < 1:
+            raise RequestError(f"sparse_softmax_lse_min_samples must be >= 1, got {sp.softmax_lse_min_samples}")
         if sp.softmax_lse_stride > 1 and sp.head_combine == "softmax" and sp.score_kernel not in ("auto", "dot"):
             raise RequestError(f"sparse_softmax_lse_stride needs sparse_score_kernel auto or dot, got {sp.score_kernel!r}")
         if sp.tier_kernel not in ("torch", "triton"):

@@ -147,7 +147,8 @@ class SparseAttention(Attention):
             lse_stride = c.softmax_lse_stride if qg.shape[2] <= 32 else 0
             scores = sketch_score(qp, self.sketch, self.sketch_scale, block_tables, seq_lens, c.sink_tokens,
                                   c.recent_tokens, max_len, c.shared_selection, c.head_combine, self.scale,
-                                  kernel=c.score_kernel, radix_hist=hist, lse_stride=lse_stride)
+                                  kernel=c.score_kernel, radix_hist=hist, lse_stride=lse_stride,
+                                  lse_min_samples=c.softmax_lse_min_samples)
         if self.tensor_parallel and c.shared_selection:  # one pick for all KV heads: add in the other ranks' heads
             scores = reduce_selection_scores(scores, c.head_combine)
         return scores, hist

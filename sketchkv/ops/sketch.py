@@ -12,7 +12,6 @@ The G heads of a group (and the KV heads when the selection is shared, output he
 head), "max", or "softmax" (sum of per-head softmax probabilities: ranks by estimated attention mass).
 -inf outside [sinks, seq_len - recent), the rows that are always attended anyway.
 """
-import math
 import os
 
 import torch
@@ -162,19 +161,31 @@ COMBINES = ("sum", "max", "softmax")
 KERNELS = ("auto", "fma", "dot", "dp4a")   # sketch_score(kernel=...)
 
 
+LSE_MIN_SAMPLES = 4096   # a sampled softmax normalizer never takes fewer positions of a sequence than this
+
+
+def lse_sample_strides(seq_lens: torch.Tensor, max_stride: int, min_samples: int = LSE_MIN_SAMPLES) -> torch.Tensor:
+    """Per sequence, the stride of its sampled softmax normalizer: min(max_stride, max(1, n // min_samples)), so a
+    sequence keeps at least min_samples positions (shorter than 2 min_samples: every one, the exact normalizer);
+    the scoring kernel computes the same from the sequence length (_sketch_score_dot_kernel, MODE 2)."""
+    return (seq_lens.long() // min_samples).clamp(1, max(1, max_stride))
+
+
 def softmax_combine(s: torch.Tensor, num_kv_heads: int, shared: bool, sm_scale: float,
-                    lse_stride: int = 0) -> torch.Tensor:
+                    strides: torch.Tensor | None = None) -> torch.Tensor:
     """Per-query-head scores s [B, Hq, T] (-inf = masked) -> log of the summed estimated attention
     probabilities, [B, 1 or Hkv, T]: each head's scores go through its own softmax over the candidates
     (temperature `sm_scale`, the attention scale), then add up over the heads of a KV group (and over
     the KV heads when shared). Ranks tokens by estimated attention mass, so a head with one sharp
     target is not drowned by another head's broad, large raw scores. Masked positions stay -inf.
-    lse_stride > 1: each head's normalizer estimated from the positions t % lse_stride == 0 (times lse_stride;
-    0 where none of them is a candidate), what the one-pass GPU kernel computes."""
+    strides [B] (lse_sample_strides): each head's normalizer estimated from the positions t % stride == 0 of its
+    row (times the stride; 0 where none of them is a candidate), what the one-pass GPU kernel computes."""
     B, Hq, T = s.shape
     s = s.float() * sm_scale
-    if lse_stride > 1:
-        lse = torch.logsumexp(s[..., ::lse_stride], -1, keepdim=True) + math.log(lse_stride)
+    if strides is not None:
+        st = strides.to(s.device).view(B, 1, 1)
+        sampled = torch.arange(T, device=s.device) % st == 0                            # [B, 1, T]
+        lse = torch.logsumexp(s.masked_fill(~sampled, float("-inf")), -1, keepdim=True) + st.float().log()
     else:
         lse = torch.logsumexp(s, -1, keepdim=True)
     logp = s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -187,11 +198,12 @@ def _as_groups(qp: torch.Tensor) -> torch.Tensor:
 
 
 def sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
-                     shared: bool = True, combine: str = "sum", sm_scale: float = 1.0,
-                     lse_stride: int = 0) -> torch.Tensor:
+                     shared: bool = True, combine: str = "sum", sm_scale: float = 1.0, lse_stride: int = 0,
+                     lse_min_samples: int = LSE_MIN_SAMPLES) -> torch.Tensor:
     """qp [B, Hkv, G, r] projected query heads ([B, Hkv, r]: G = 1, e.g. the group sum) -> scores
     [B, 1 or Hkv, max_len] fp32, combining the G heads of a KV group (and the KV heads when shared) by
-    `combine`: sum of scores, max of scores, or softmax (see softmax_combine; lse_stride: its sampled normalizer)."""
+    `combine`: sum of scores, max of scores, or softmax (see softmax_combine; lse_stride > 1: its normalizers
+    sampled, lse_sample_strides)."""
     qp = _as_groups(qp)
     B, Hkv, G, r = qp.shape
     bs = sketch.shape[1]
@@ -203,15 +215,16 @@ def sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
         blocks = block_tables[b, : (n + bs - 1) // bs].long()
         s = dequantize_int4(sketch[blocks].flatten(0, 1)[:n], scale[blocks].flatten(0, 1)[:n])  # [n, Hkv, r]
         per_q[b, :, :, lo:hi] = torch.einsum("hgr,thr->hgt", qp[b].float(), s)[:, :, lo:hi]
-    return combine_heads(per_q, shared, combine, sm_scale, lse_stride)
+    strides = lse_sample_strides(seq_lens, lse_stride, lse_min_samples) if lse_stride > 1 else None
+    return combine_heads(per_q, shared, combine, sm_scale, strides)
 
 
 def combine_heads(per_q: torch.Tensor, shared: bool, combine: str, sm_scale: float,
-                  lse_stride: int = 0) -> torch.Tensor:
+                  strides: torch.Tensor | None = None) -> torch.Tensor:
     """per_q [B, Hkv, G, N] scores of every query head (-inf = not a candidate) -> [B, 1 or Hkv, N]."""
     Hkv = per_q.shape[1]
     if combine == "softmax":
-        return softmax_combine(per_q.flatten(1, 2), Hkv, shared, sm_scale, lse_stride)
+        return softmax_combine(per_q.flatten(1, 2), Hkv, shared, sm_scale, strides)
     if combine == "sum":
         per_head = per_q.sum(2)
         return per_head.sum(1, keepdim=True) if shared else per_head
@@ -242,16 +255,15 @@ if triton is not None:
 
     @triton.jit
     def _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks, stride_skb, stride_scb, stride_btb,
-                    HKV: tl.constexpr, H2: tl.constexpr, BS: tl.constexpr, TOK: tl.constexpr,
-                    STRIDE: tl.constexpr = 1):
+                    HKV: tl.constexpr, H2: tl.constexpr, BS: tl.constexpr, TOK: tl.constexpr, stride=1):
         """This program's TOK token rows (program (sequence b, tile pid)): positions t, which are candidates
         (inside the sequence, outside sinks and the recent window), and each row's sketch bytes [HKV * H2]
-        (contiguous) and scales through the block table. STRIDE > 1: every STRIDE-th position only (the sampled
+        (contiguous) and scales through the block table. stride > 1: every stride-th position only (the sampled
         softmax normalizer's pass)."""
         b = tl.program_id(0)
         pid = tl.program_id(1)
         n = tl.load(lens_ptr + b)
-        t = (pid * TOK + tl.arange(0, TOK)) * STRIDE
+        t = (pid * TOK + tl.arange(0, TOK)) * stride
         j = t // BS
         live = (j * BS < n) & (j < num_blocks)
         valid = live & (t >= sinks) & (t < n - recent)
@@ -341,7 +353,8 @@ SOFTMAX_SCRATCH_BYTES = 128 << 20   # stored head scores of one launch; larger b
 
 def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
                   sm_scale, bpp, num_warps, gp, store_heads: bool = False, scratch_bytes: int = SOFTMAX_SCRATCH_BYTES,
-                  rank: int | None = None, radix_hist: torch.Tensor | None = None, lse_stride: int = 0, **consts):
+                  rank: int | None = None, radix_hist: torch.Tensor | None = None, lse_stride: int = 0,
+                  lse_min_samples: int = LSE_MIN_SAMPLES, **consts):
     """Shared launcher of the scoring kernels (same arguments and modes). softmax, two passes over the
     sketch: pass 1 (per-program partial log-sum-exp per query head; torch combines them over programs), then
     pass 2: the sketch scored again. softmax with store_heads (dot kernel): the sketch scored once, every head's
@@ -353,8 +366,9 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
     topk_positions(hist=...): the first radix round of the scores counted, rounds 1-3 zero; with stored head scores
     _lse_finish_kernel zeroes it and _softmax_combine_kernel counts as it writes (top-k's memset and first pass
     gone), otherwise radix_histograms' first round runs after the scores. lse_stride > 1 (softmax, dot kernel): each
-    head's normalizer estimated from every lse_stride-th position (MODE 2 over those rows, _lse_finish_kernel),
-    then one scoring pass that combines as it scores (MODE 3, counting top-k's first round): nothing stored."""
+    head's normalizer estimated from every st-th position of its sequence (st: lse_sample_strides; MODE 2 over those
+    rows, _lse_finish_kernel), then one scoring pass that combines as it scores (MODE 3, counting top-k's first
+    round): nothing stored."""
     B, Hkv, G, r = qp.shape
     r = rank or r
     bs = sketch.shape[1]
@@ -383,15 +397,19 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
         return _first_round(out, radix_hist)
     if lse_stride > 1:
         assert kernel is _sketch_score_dot_kernel
-        sampled = triton.cdiv(max_len, bpp * bs * lse_stride)   # programs of the sampled pass
+        # programs of the sampled pass: a sequence samples at most max_len / lse_stride positions, or (a stride
+        # n // lse_min_samples below lse_stride) fewer than 2 lse_min_samples
+        positions = min(max_len, max(triton.cdiv(max_len, lse_stride), 2 * lse_min_samples))
+        sampled = triton.cdiv(positions, bpp * bs)
         part = torch.empty(sampled, B, Hq, dtype=torch.float32, device=qp.device)   # [program, row, head]
-        launch(slice(0, B), 2, part, part.stride(1), part.stride(0), grid=sampled, STRIDE=lse_stride)
+        launch(slice(0, B), 2, part, part.stride(1), part.stride(0), grid=sampled, SAMPLED=True,
+               lse_max_stride=lse_stride, lse_min_samples=lse_min_samples)
         lse = torch.empty(B, Hq, dtype=torch.float32, device=qp.device)
         if radix_hist is not None:
             assert radix_hist.shape == (4, out.shape[0] * out.shape[1], 256) and radix_hist.is_contiguous()
         rows = out.shape[0] * out.shape[1]
-        _lse_finish_kernel[(B * Hq,)](part, lse, sampled, 1, B * Hq, math.log2(lse_stride),
-                                      out if radix_hist is None else radix_hist, rows, 0, rows,
+        _lse_finish_kernel[(B * Hq,)](part, lse, sampled, 1, B * Hq, out if radix_hist is None else radix_hist,
+                                      rows, 0, rows,
                                       NCHP=max(16, triton.next_power_of_2(sampled)), HIST=radix_hist is not None,
                                       num_warps=1)
         launch(slice(0, B), 3, lse, lse.stride(0), 0, HIST=radix_hist is not None, hist_ptr=radix_hist)
@@ -409,7 +427,7 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
             n = rows.stop - rows.start
             launch(rows, 4, out, 0, 0)
             _head_lse_kernel[(n, Hq, nch)](y, part, max_len, y.stride(0), nch, CHUNK=LSE_CHUNK, num_warps=4)
-            _lse_finish_kernel[(n * Hq,)](part, lse, nch, nch, 1, 0.0, hist, B * per_b, b0 * per_b, n * per_b,
+            _lse_finish_kernel[(n * Hq,)](part, lse, nch, nch, 1, hist, B * per_b, b0 * per_b, n * per_b,
                                           NCHP=max(16, triton.next_power_of_2(nch)), HIST=radix_hist is not None,
                                           num_warps=1)
             o = out[rows]
@@ -650,8 +668,8 @@ if triton is not None:
                                  stride_lb, stride_lp, stride_ob, stride_oh, stride_yb,
                                  HKV: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, BPP: tl.constexpr,
                                  G: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, SHARED: tl.constexpr,
-                                 ASM: tl.constexpr = False, STRIDE: tl.constexpr = 1, HIST: tl.constexpr = False,
-                                 hist_ptr=None):
+                                 ASM: tl.constexpr = False, SAMPLED: tl.constexpr = False, lse_max_stride=1,
+                                 lse_min_samples=1, HIST: tl.constexpr = False, hist_ptr=None):
         # One program per (sequence, BPP consecutive KV blocks) = TOK token rows. Per KV head h the
         # scores of its G query heads are a [TOK, R] @ [R, G] matmul on tensor cores, split by nibble:
         # lo [TOK, R/2] @ q_even [R/2, GP] + hi @ q_odd, G padded to GP >= 16 with zero query columns.
@@ -659,11 +677,15 @@ if triton is not None:
         # query head -> lse_ptr [B, programs, HKV * G]), 3: softmax pass 2 (lse_ptr [B, HKV * G] the per-head
         # totals; out = log sum_g exp(s_g * sm_scale - lse_g)), 4: softmax pass 1 storing every head's score
         # (-> y_ptr; _head_lse_kernel and _softmax_combine_kernel finish). qk_scale = sm_scale * log2(e).
-        # STRIDE (MODE 2): every STRIDE-th position only, the sampled normalizer's pass. HIST (MODE 3): top-k's first
-        # radix round of the scores written, counted into hist_ptr [4, rows of out, 256] (round 0 first).
+        # SAMPLED (MODE 2): the sampled normalizer's pass, every st-th position of the sequence (st as
+        # lse_sample_strides), each partial + log2 st. HIST (MODE 3): top-k's first radix round of the scores written,
+        # counted into hist_ptr [4, rows of out, 256] (round 0 first).
+        st = 1
+        if SAMPLED:
+            st = tl.minimum(tl.maximum(tl.load(lens_ptr + tl.program_id(0)) // lse_min_samples, 1), lse_max_stride)
         b, pid, t, valid, row_sk, row_sc = _score_rows(sk_ptr, sc_ptr, bt_ptr, lens_ptr, sinks, recent, num_blocks,
                                                        stride_skb, stride_scb, stride_btb, HKV, R // 2, BS, BPP * BS,
-                                                       STRIDE)
+                                                       st)
         TOK: tl.constexpr = BPP * BS
         H2: tl.constexpr = R // 2
         k = tl.arange(0, H2)
@@ -705,6 +727,8 @@ if triton is not None:
                 m = tl.max(x, axis=0)
                 m = tl.where(m == float("-inf"), 0.0, m)     # no valid row: l = 0 -> -inf, not nan
                 part = m + tl.log2(tl.sum(tl.exp2(x - m[None, :]), axis=0))
+                if SAMPLED:
+                    part += tl.log2(st.to(tl.float32))
                 tl.store(lse_ptr + b * stride_lb + pid * stride_lp + h * G + gs, part, mask=gmask)
             elif MODE == 4:
                 # every head's score in log2 units, fp16, head-major (y [rows, HKV * G, max_len]); no reduction
@@ -755,10 +779,10 @@ if triton is not None:
         tl.store(part_ptr + (b * tl.num_programs(1) + j) * nch + c, m + tl.log2(tl.sum(tl.exp2(x - m), axis=0)))
 
     @triton.jit
-    def _lse_finish_kernel(part_ptr, lse_ptr, nch, stride_pi, stride_pc, lse_add, hist_ptr, hist_rows, hist_row0,
-                           hist_n, NCHP: tl.constexpr, HIST: tl.constexpr):
-        # lse [rows * Hq]: the chunks' log2-sums (part [i * stride_pi + c * stride_pc]) combined, plus lse_add
-        # (log2 STRIDE for a sampled normalizer); 0 for a head without candidates (its y stays -inf).
+    def _lse_finish_kernel(part_ptr, lse_ptr, nch, stride_pi, stride_pc, hist_ptr, hist_rows, hist_row0, hist_n,
+                           NCHP: tl.constexpr, HIST: tl.constexpr):
+        # lse [rows * Hq]: the chunks' log2-sums (part [i * stride_pi + c * stride_pc]) combined; 0 for a head
+        # without candidates (its y stays -inf).
         # HIST: also zero this launch's rows [hist_row0, + hist_n) of all 4 rounds of top-k's histograms
         # hist [4, hist_rows, 256] (the combining kernel counts round 0 into them next; top-k adds rounds 1-3)
         i = tl.program_id(0)
@@ -772,7 +796,7 @@ if triton is not None:
         m = tl.max(p, axis=0)
         m = tl.where(m == float("-inf"), 0.0, m)
         tot = tl.sum(tl.exp2(p - m), axis=0)
-        tl.store(lse_ptr + i, tl.where(tot > 0, m + tl.log2(tot) + lse_add, 0.0))
+        tl.store(lse_ptr + i, tl.where(tot > 0, m + tl.log2(tot), 0.0))
 
     @triton.jit
     def _head_log_mass(row, lse_b, j, max_len, tm):
@@ -831,12 +855,12 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
                      num_warps: int = 4, two_pass: bool = False,
                      scratch_bytes: int = SOFTMAX_SCRATCH_BYTES, unpack: str = "auto",
                      maxnreg: int | None = None, radix_hist: torch.Tensor | None = None,
-                     lse_stride: int = 0) -> torch.Tensor:
+                     lse_stride: int = 0, lse_min_samples: int = LSE_MIN_SAMPLES) -> torch.Tensor:
     """sketch_score on tensor cores (tl.dot, fp16 operands, fp32 accumulation); same meaning as
     sketch_score_ref up to q's fp16 rounding (see the kernel). Needs r % 32 == 0 (tl.dot: K = r/2 >= 16).
     softmax: the sketch scored once, head scores stored in fp16 for pass 2 (see _launch_score); two_pass=True:
     scored twice, nothing stored (the previous kernel, kept to measure against); lse_stride > 1: the normalizers
-    from every lse_stride-th position first, then one pass that scores and combines (two_pass ignored). bpp (blocks per program) and num_warps: swept on
+    from sampled positions first (lse_sample_strides), then one pass that scores and combines (two_pass ignored). bpp (blocks per program) and num_warps: swept on
     an H200 by benchmarks/bench_sketch_score.py. unpack: how int4 becomes fp16 (_int4_to_fp16): "asm" (PTX, CUDA
     only), "ops" (Triton ops), "auto" = asm on CUDA. maxnreg: a cap on registers per thread (ptxas), to trade
     spills for occupancy (swept by benchmarks/bench_sketch_score.py --maxnreg; None: the compiler's choice)."""
@@ -850,6 +874,7 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
     return _launch_score(_sketch_score_dot_kernel, qp, sketch, scale, block_tables, seq_lens, sinks, recent,
                          max_len, shared, combine, sm_scale, bpp, num_warps, gp, store_heads=not two_pass,
                          scratch_bytes=scratch_bytes, radix_hist=radix_hist, lse_stride=lse_stride,
+                         lse_min_samples=lse_min_samples,
                          **({} if maxnreg is None else {"maxnreg": maxnreg}),
                          # auto: PTX unless Triton chose its interpreter for the kernel at import
                          ASM=unpack == "asm" or (unpack == "auto" and qp.is_cuda
@@ -858,7 +883,8 @@ def sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks: int, rece
 
 def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: int, max_len: int,
                  shared: bool = True, combine: str = "sum", sm_scale: float = 1.0,
-                 kernel: str = "auto", radix_hist: torch.Tensor | None = None, lse_stride: int = 0) -> torch.Tensor:
+                 kernel: str = "auto", radix_hist: torch.Tensor | None = None, lse_stride: int = 0,
+                 lse_min_samples: int = LSE_MIN_SAMPLES) -> torch.Tensor:
     """kernel: "fma" (CUDA-core dots, fp32), "dot" (tensor cores, sketch_score_dot; ranks not a multiple of 32
     take "fma": tl.dot needs r/2 >= 16), "dp4a" (integer dot products with int8 query codes, sketch_score_dp4a;
     its softmax: 254 us against dot's 242, run 92) or "auto": the faster one measured on an H200 at 8 x 250K, one layer
@@ -867,8 +893,9 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     with stored head scores, 519 scoring twice, 1,101 on CUDA cores: 24 per-head dots per token; 240 / 508 us
     replayed in CUDA graphs, run 48). radix_hist (topk.radix_hist_buffer; the Triton paths): filled with top-k's
     first radix round of the scores for topk_positions(hist=...) (see _launch_score); the PyTorch path ignores it.
-    lse_stride > 1 (softmax): each head's normalizer estimated from every lse_stride-th position (softmax_combine),
-    which lets the dot kernel score and combine in one pass; on a GPU it needs that kernel (r % 32 == 0)."""
+    lse_stride > 1 (softmax): each head's normalizer estimated from every st-th position of its sequence, st =
+    min(lse_stride, max(1, seq_len // lse_min_samples)) (lse_sample_strides, softmax_combine), which lets the dot
+    kernel score and combine in one pass; on a GPU it needs that kernel (r % 32 == 0)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     if kernel not in KERNELS:
@@ -876,14 +903,19 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     if kernel == "auto":
         kernel = {"softmax": "dot", "sum": "dp4a", "max": "dp4a"}[combine]
     lse_stride = lse_stride if combine == "softmax" else 0
-    if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        if lse_stride > 1:
-            if kernel != "dot" or _as_groups(qp).shape[-1] % 32:
-                raise ValueError(f"a sampled softmax normalizer (lse_stride {lse_stride}) needs the dot kernel and a "
-                                 f"sketch rank that is a multiple of 32, got kernel {kernel} and rank "
-                                 f"{_as_groups(qp).shape[-1]}")
+    if lse_stride > 1 and triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        if kernel == "dot" and _as_groups(qp).shape[-1] % 32 == 0:
             return sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
-                                    combine, sm_scale, radix_hist=radix_hist, lse_stride=lse_stride)
+                                    combine, sm_scale, radix_hist=radix_hist, lse_stride=lse_stride,
+                                    lse_min_samples=lse_min_samples)
+        if qp.is_cuda:
+            raise ValueError(f"a sampled softmax normalizer (lse_stride {lse_stride}) needs the dot kernel and a "
+                             f"sketch rank that is a multiple of 32, got kernel {kernel} and rank "
+                             f"{_as_groups(qp).shape[-1]}")
+        # the CPU interpreter: the reference's estimate is the same (and top-k's first round counted after it)
+        return _first_round(sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
+                                             combine, sm_scale, lse_stride, lse_min_samples), radix_hist)
+    if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         if kernel == "dp4a" and qp.shape[-1] % 8 == 0:
             return sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                      combine, sm_scale, radix_hist=radix_hist)
@@ -893,4 +925,4 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
         return sketch_score_triton(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                    combine, sm_scale, radix_hist=radix_hist)
     return sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared, combine,
-                            sm_scale, lse_stride)
+                            sm_scale, lse_stride, lse_min_samples)
