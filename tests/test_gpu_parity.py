@@ -96,3 +96,34 @@ def test_gpu_sparse_with_topk_ge_context_equals_dense(tiny_checkpoint, tmp_path)
                  greedy_agreement_topk64_random_model=agree, device=torch.cuda.get_device_name(),
                  date=time.strftime("%Y-%m-%d")))
     assert all(x[:16] == y[:16] for x, y in zip(got, want))
+
+
+def test_gpu_sampled_softmax_normalizer_graphs_equal_eager(tiny_checkpoint, tmp_path):
+    """The one-pass softmax combine (sparse softmax_lse_stride 16 with a 64-position minimum, so these short prompts
+    sample: strides 16 / 10 / 1 at 1,500 / 700 / 90 tokens) inside CUDA graphs decodes what it decodes eagerly (the
+    same kernels: its sampled pass's buffers and top-k's counted first round work under capture), and the sampled
+    normalizer changes the exact one's picks or tokens (else this would not test it)."""
+    from sketchkv.config import SparseConfig
+    from sketchkv.kv.fit_basis import fit_basis
+    path, _ = tiny_checkpoint("qwen3_5_text", **CASES["qwen3_5_text"])
+    calib = tmp_path / "calib.txt"
+    calib.write_text("".join(chr(32 + (i * 7919) % 95) for i in range(20000)))
+    kw = dict(device="cuda", dtype="float32", block_size=64, max_num_seqs=4, max_model_len=4096, num_kv_blocks=1024)
+    dense = LLM(path, **kw)
+    fit_basis(dense, [str(calib)], rank=32, max_tokens=8192, seq_len=2048, out=f"{path}/key_basis.safetensors")
+    del dense
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (1500, 700, 90)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cfg = dict(sparse=True, top_k=64, sink_tokens=16, recent_tokens=64, dense_threshold=0)
+    sampled = SparseConfig(**cfg, softmax_lse_stride=16, softmax_lse_min_samples=64)
+    runs = {}
+    for name, sparse, eager in (("graphs", sampled, False), ("eager", sampled, True),
+                                ("exact", SparseConfig(**cfg), True)):
+        llm = LLM(path, **kw, sparse=sparse, enforce_eager=eager)
+        runs[name] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+        # the last eager step's picks (a graph's would be those of the last captured batch size)
+        runs[name + "-picks"] = llm.engine.runner.sparse_layers[-1].last_indices[0].clone()
+        del llm
+    assert runs["graphs"] == runs["eager"]
+    assert not torch.equal(runs["eager-picks"], runs["exact-picks"]) or runs["eager"] != runs["exact"]

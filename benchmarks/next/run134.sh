@@ -1,5 +1,6 @@
 # run 134 (session 43), on an H200 (kind="nvidia-h200"): the one-pass softmax combine (issue 41) against the stored one
-# in one run: (1) its GPU tests at 8 x 250K (sampled normalizers, counted first radix round, same picks); (2) one
+# in one run: (1) its GPU tests at 8 x 250K (sampled normalizers, counted first radix round, same picks) and in a
+# tiny engine (CUDA graphs = eager); (2) one
 # 27B layer's scoring at 8 x 250K, `dot` (stored head scores: 4 kernels) vs `dot1p` (every 16th position for the
 # normalizers, then one scoring pass: 3 kernels), per kernel; (3) the bf16 8 x 250K step default vs
 # `--sparse-softmax-lse-stride 16` (bf16: no 175 s W4A16 build), then the latter profiled (kernel count); (4) time
@@ -7,8 +8,8 @@
 # run(command="END=560 bash benchmarks/next/run134.sh", carry=[".whl"], timeout_s=595, kind="nvidia-h200")
 . benchmarks/next/preamble.sh
 END=${END:-560}
-timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/test_gpu_sparse_ops.py \
-  -k "sampled or first_round or dot_250k" > $OUT/pytest-sparse.txt 2>&1; mark pytest-sparse $?
+timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/test_gpu_sparse_ops.py \
+  tests/test_gpu_parity.py -k "sampled or first_round or dot_250k" > $OUT/pytest-sparse.txt 2>&1; mark pytest-sparse $?
 timeout 150 python3 benchmarks/bench_sketch_score.py --quick --kernels dot dot1p --out $OUT/r/sketch-score.json \
   > $OUT/sketch-score.txt 2>&1; mark sketch-score $?
 B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --steps 12 --model random:qwen3.5-27b"
