@@ -68,10 +68,9 @@ def test_gpu_parity_with_transformers(tiny_checkpoint, model_type, dtype):
     assert min(agree) >= (16 if dtype == "float32" else 4)
 
 
-def test_gpu_sparse_with_topk_ge_context_equals_dense(tiny_checkpoint, tmp_path):
-    """CUDA graphs, the sketch kernel and the indexed attention kernel: with every token selected,
-    sparse decode gives dense decode's tokens."""
-    from sketchkv.config import SparseConfig
+def _sparse_ready(tiny_checkpoint, tmp_path, seed: int):
+    """A tiny qwen3_5_text checkpoint with a rank-32 key basis fitted on the GPU (fp32), its dense engine, the engine
+    options, and three random prompts of 1,500 / 700 / 90 tokens."""
     from sketchkv.kv.fit_basis import fit_basis
     path, _ = tiny_checkpoint("qwen3_5_text", **CASES["qwen3_5_text"])
     calib = tmp_path / "calib.txt"
@@ -80,8 +79,16 @@ def test_gpu_sparse_with_topk_ge_context_equals_dense(tiny_checkpoint, tmp_path)
     kw = dict(device="cuda", dtype="float32", block_size=64, max_num_seqs=4, max_model_len=4096, num_kv_blocks=1024)
     dense = LLM(path, **kw)
     fit_basis(dense, [str(calib)], rank=32, max_tokens=8192, seq_len=2048, out=f"{path}/key_basis.safetensors")
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (1500, 700, 90)]
+    return path, dense, kw, prompts
+
+
+def test_gpu_sparse_with_topk_ge_context_equals_dense(tiny_checkpoint, tmp_path):
+    """CUDA graphs, the sketch kernel and the indexed attention kernel: with every token selected,
+    sparse decode gives dense decode's tokens."""
+    from sketchkv.config import SparseConfig
+    path, dense, kw, prompts = _sparse_ready(tiny_checkpoint, tmp_path, 4)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in dense.generate(prompt_token_ids=prompts, sampling_params=sp)]
     del dense
@@ -104,16 +111,8 @@ def test_gpu_sampled_softmax_normalizer_graphs_equal_eager(tiny_checkpoint, tmp_
     same kernels: its sampled pass's buffers and top-k's counted first round work under capture), and the sampled
     normalizer changes the exact one's picks or tokens (else this would not test it)."""
     from sketchkv.config import SparseConfig
-    from sketchkv.kv.fit_basis import fit_basis
-    path, _ = tiny_checkpoint("qwen3_5_text", **CASES["qwen3_5_text"])
-    calib = tmp_path / "calib.txt"
-    calib.write_text("".join(chr(32 + (i * 7919) % 95) for i in range(20000)))
-    kw = dict(device="cuda", dtype="float32", block_size=64, max_num_seqs=4, max_model_len=4096, num_kv_blocks=1024)
-    dense = LLM(path, **kw)
-    fit_basis(dense, [str(calib)], rank=32, max_tokens=8192, seq_len=2048, out=f"{path}/key_basis.safetensors")
+    path, dense, kw, prompts = _sparse_ready(tiny_checkpoint, tmp_path, 5)
     del dense
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (1500, 700, 90)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     cfg = dict(sparse=True, top_k=64, sink_tokens=16, recent_tokens=64, dense_threshold=0)
     sampled = SparseConfig(**cfg, softmax_lse_stride=16, softmax_lse_min_samples=64)

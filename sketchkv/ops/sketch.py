@@ -379,7 +379,10 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
     programs = triton.cdiv(nblk, bpp)
     out = torch.empty(B, 1 if shared else Hkv, max_len, dtype=torch.float32, device=qp.device)
     qk_scale = sm_scale * 1.4426950408889634
-    store = combine == "softmax" and store_heads
+    sampled_lse = combine == "softmax" and lse_stride > 1   # one pass: no stored head scores (no y scratch)
+    store = combine == "softmax" and store_heads and not sampled_lse
+    if radix_hist is not None:
+        assert radix_hist.shape == (4, out.shape[0] * out.shape[1], 256) and radix_hist.is_contiguous()
     Hq = Hkv * G
     group = max(1, min(B, scratch_bytes // (max_len * Hq * 2))) if store else B
     y = torch.empty(group, Hq, max_len, dtype=torch.float16, device=qp.device) if store else out
@@ -395,7 +398,7 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
     if combine != "softmax":
         launch(slice(0, B), COMBINES.index(combine), out, 0, 0)
         return _first_round(out, radix_hist)
-    if lse_stride > 1:
+    if sampled_lse:
         assert kernel is _sketch_score_dot_kernel
         # programs of the sampled pass: a sequence samples at most max_len / lse_stride positions, or (a stride
         # n // lse_min_samples below lse_stride) fewer than 2 lse_min_samples
@@ -405,8 +408,6 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
         launch(slice(0, B), 2, part, part.stride(1), part.stride(0), grid=sampled, SAMPLED=True,
                lse_max_stride=lse_stride, lse_min_samples=lse_min_samples)
         lse = torch.empty(B, Hq, dtype=torch.float32, device=qp.device)
-        if radix_hist is not None:
-            assert radix_hist.shape == (4, out.shape[0] * out.shape[1], 256) and radix_hist.is_contiguous()
         rows = out.shape[0] * out.shape[1]
         _lse_finish_kernel[(B * Hq,)](part, lse, sampled, 1, B * Hq, out if radix_hist is None else radix_hist,
                                       rows, 0, rows,
@@ -419,8 +420,6 @@ def _launch_score(kernel, qp, sketch, scale, block_tables, seq_lens, sinks, rece
         part = torch.empty(group, Hq, nch, dtype=torch.float32, device=qp.device)
         lse = torch.empty(group, Hq, dtype=torch.float32, device=qp.device)
         hist = out if radix_hist is None else radix_hist   # (out: an unused pointer)
-        if radix_hist is not None:
-            assert radix_hist.shape == (4, out.shape[0] * out.shape[1], 256) and radix_hist.is_contiguous()
         per_b = out.shape[1]   # hist rows per sequence: 1 (shared) or Hkv
         for b0 in range(0, B, group):
             rows = slice(b0, min(B, b0 + group))
@@ -903,7 +902,8 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
     if kernel == "auto":
         kernel = {"softmax": "dot", "sum": "dp4a", "max": "dp4a"}[combine]
     lse_stride = lse_stride if combine == "softmax" else 0
-    if lse_stride > 1 and triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    on_triton = triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    if lse_stride > 1 and on_triton:
         if kernel == "dot" and _as_groups(qp).shape[-1] % 32 == 0:
             return sketch_score_dot(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                     combine, sm_scale, radix_hist=radix_hist, lse_stride=lse_stride,
@@ -915,7 +915,7 @@ def sketch_score(qp, sketch, scale, block_tables, seq_lens, sinks: int, recent: 
         # the CPU interpreter: the reference's estimate is the same (and top-k's first round counted after it)
         return _first_round(sketch_score_ref(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                              combine, sm_scale, lse_stride, lse_min_samples), radix_hist)
-    if triton is not None and (qp.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if on_triton:
         if kernel == "dp4a" and qp.shape[-1] % 8 == 0:
             return sketch_score_dp4a(qp, sketch, scale, block_tables, seq_lens, sinks, recent, max_len, shared,
                                      combine, sm_scale, radix_hist=radix_hist)
