@@ -9,8 +9,8 @@ block size 64, 64 sinks + 1,024 recent excluded), the engine's calls: `sum` scor
 query ([B, Hkv, r]: one dot per KV head), `softmax` every query head ([B, Hkv, 6, r]): kernel `dot` scores the
 sketch once and stores fp16 per-head scores for its second pass, `dot2` (two_pass=True) and `fma` score it
 twice; `dot1p` scores it once after a pass over every 16th position for the heads' normalizers
-(`--sparse-softmax-lse-stride`; checked against the sampled reference); `dp4a` scores in integers (int8 query codes, checked against the reference on the dequantised
-codes; softmax: stored fp16 head scores, as `dot`); `max` every query head, as the engine does. Times: each call replayed from a CUDA graph
+(`--sparse-softmax-lse-stride`; checked against the sampled reference); `dp4a` scores in integers (int8 query
+codes, checked against the reference on the dequantised codes; softmax: stored fp16 head scores, as `dot`); `max` every query head, as the engine does. Times: each call replayed from a CUDA graph
 (the engine's way; eager times are kept beside them). Floor: the sketch read once + one fp32 score per token
 written, at the copy bandwidth (2 x bytes / time of a 1 GiB device copy), for every kernel (what a one-pass kernel
 would move). Goal (issue 4): >= 70%.
@@ -127,7 +127,8 @@ def main():
     rows = []
     for name, (q, combine) in cases.items():
         for kname, fn in kernels.items():
-            if (kname in ("dot2", "dot1p") and combine != "softmax") or (a.kernels is not None and kname not in a.kernels):
+            if ((kname in ("dot2", "dot1p") and combine != "softmax")
+                    or (a.kernels is not None and kname not in a.kernels)):
                 continue
             ref = refs_dp4a[name] if kname == "dp4a" else refs["softmax-sampled"] if kname == "dot1p" else refs[name]
             fin = torch.isfinite(ref)

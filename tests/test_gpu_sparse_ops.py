@@ -162,9 +162,9 @@ def test_gpu_topk_first_round_counted_by_scoring(kernel, combine, shared):
 @pytest.mark.parametrize("shared", [True, False])
 def test_gpu_sampled_softmax_normalizer_one_pass_250k(shared):
     """lse_stride 16 at 8 x 250K: the one-pass softmax (normalizers from every 16th position first: at the default
-    minimum of 4,096 positions every sequence here samples with stride 16) within the
-    tensor-core bound of the sampled reference, its counted first radix round equal to radix_histograms', and the
-    same picks as top-k alone; in 4-row read groups and all 8 rows."""
+    minimum of 4,096 positions every sequence here samples with stride 16) within the tensor-core bound of the
+    sampled reference, its counted first radix round equal to radix_histograms', and the same picks as top-k alone;
+    in 4-row read groups and all 8 rows."""
     q, packed, scale, geo = _sketch_250k(15)
     sm = D ** -0.5
     for rows in (slice(0, 4), slice(0, 8)):
