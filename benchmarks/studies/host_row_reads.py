@@ -9,12 +9,15 @@ picks a 27B layer's step makes at 8 x 250K (16K rows of 1,088 B, and 131K), in t
     raw      host_copy_rows: each row's bytes as two contiguous loads (1,024 + 64 B) into the raw records only
              (rows per program 8, and 4 / 16)
     raw+deq  raw, then the shipped kernel on the copied records (GPU memory): the two-phase miss path
+    capN     the grid capped at N programs looping over their tiles, as the host tier runs the gather beside the next
+             read group's scoring (N = half the SMs: 66 on an H100 / H200): fields with its tile (rows per program,
+             warps) and with / without each program prefetching its next tile; raw capped
     1152     raw over 1,152-byte rows (128-byte aligned; reads 1,152 B per row, GB/s counts the 1,088 a row holds)
 
 GB/s = picked row bytes / time, against the H2D copy bandwidth measured in the same run. Every variant is checked
 against the reference on fresh random rows first.
 
-    python benchmarks/studies/host_row_reads.py --out /tmp/rows.json [--gib 4]
+    python benchmarks/studies/host_row_reads.py --out /tmp/rows.json [--gib 4] [--picks 8192 16384] [--cap 66]
     TRITON_INTERPRET=1 python benchmarks/studies/host_row_reads.py --smoke     # CPU dry run
 """
 import argparse
@@ -37,13 +40,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=4.0)
     p.add_argument("--picks", type=int, nargs="+", default=[16384, 131072])
+    p.add_argument("--cap", type=int, default=0, help="also time the gather on this many looping programs (0: no)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args()
     smoke = a.smoke
     dev = torch.device("cpu" if smoke else "cuda")
     if smoke:
-        a.gib, a.picks = 0.001, [64]
+        a.gib, a.picks, a.cap = 0.001, [64], a.cap and 2
 
     def bench(fn):
         if smoke:
@@ -101,11 +105,21 @@ def main():
                 t["raw+deq"] = bench(lambda: (host_copy_rows(src, picks, raw),
                                               host_gather(raw, local, dk, dv, "int4")))
                 t["deq only (GPU)"] = bench(lambda: host_gather(raw, local, dk, dv, "int4"))
+                for rpp, warps in ((4, 4), (8, 8), (16, 16)) if a.cap else ():   # rpp 4, 4 warps: the shipped tile
+                    for pf in (False, True):
+                        kw = dict(raw=raw, rows_per_program=rpp, num_warps=warps, max_programs=a.cap, prefetch=pf)
+                        ck = torch.zeros(N, HKV, D, device=dev)
+                        host_gather(src, picks, ck, torch.zeros_like(ck), "int4", **kw)
+                        assert torch.equal(ck.cpu(), rk), f"cap {a.cap} rpp {rpp} prefetch {pf}: K differs"
+                        t[f"cap{a.cap} rpp{rpp} w{warps}{' prefetch' if pf else ''}"] = bench(
+                            lambda: host_gather(src, picks, dk, dv, "int4", **kw))
+                if a.cap:
+                    t[f"raw cap{a.cap}"] = bench(lambda: host_copy_rows(src, picks, raw, max_programs=a.cap))
             for variant, s in t.items():
                 gbps = N * ROW / s / 1e9
                 res["rows"].append({"picks": N, "stride": stride, "variant": variant, "us": s * 1e6, "GBps": gbps,
                                     "frac_h2d": gbps / h2d})
-                print(f"N={N:6d} stride {stride} {variant:16s} {s * 1e6:8.1f} us {gbps:6.1f} GB/s "
+                print(f"N={N:6d} stride {stride} {variant:26s} {s * 1e6:8.1f} us {gbps:6.1f} GB/s "
                       f"({100 * gbps / h2d:3.0f}% of copy)", flush=True)
     if a.out:
         json.dump(res, open(a.out, "w"), indent=1)
