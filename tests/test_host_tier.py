@@ -815,10 +815,10 @@ def test_interp_copy_rows_vs_ref(fmt, Hkv):
     rows = torch.randperm(src.shape[0], generator=g)[:45].int()
     rows[[0, 17, 44]] = -1
     want = host_copy_rows_ref(src, rows, torch.full((45, src.shape[1]), 7, dtype=torch.uint8))
-    for cap in (None, 2):
+    for cap, prefetch in ((None, None), (2, True), (2, False)):   # a capped grid prefetches by default
         got = host_copy_rows(src, rows, torch.full((45, src.shape[1]), 7, dtype=torch.uint8), rows_per_program=4,
-                             max_programs=cap)
-        assert torch.equal(got, want)
+                             max_programs=cap, prefetch=prefetch)
+        assert torch.equal(got, want), (cap, prefetch)
     assert (want[[0, 17, 44]] == 7).all() and torch.equal(want[1], src[rows[1]])
     local = torch.where(rows >= 0, torch.arange(45, dtype=torch.int32), -1)
     a = [torch.zeros(45, Hkv, 32) for _ in range(2)]

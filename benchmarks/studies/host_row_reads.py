@@ -11,7 +11,7 @@ picks a 27B layer's step makes at 8 x 250K (16K rows of 1,088 B, and 131K), in t
     raw+deq  raw, then the shipped kernel on the copied records (GPU memory): the two-phase miss path
     capN     the grid capped at N programs looping over their tiles, as the host tier runs the gather beside the next
              read group's scoring (N = half the SMs: 66 on an H100 / H200): fields with its tile (rows per program,
-             warps) and with / without each program prefetching its next tile; raw capped
+             warps) and raw, each with / without each program prefetching its next tile
     1152     raw over 1,152-byte rows (128-byte aligned; reads 1,152 B per row, GB/s counts the 1,088 a row holds)
 
 GB/s = picked row bytes / time, against the H2D copy bandwidth measured in the same run. Every variant is checked
@@ -113,8 +113,9 @@ def main():
                         assert torch.equal(ck.cpu(), rk), f"cap {a.cap} rpp {rpp} prefetch {pf}: K differs"
                         t[f"cap{a.cap} rpp{rpp} w{warps}{' prefetch' if pf else ''}"] = bench(
                             lambda: host_gather(src, picks, dk, dv, "int4", **kw))
-                if a.cap:
-                    t[f"raw cap{a.cap}"] = bench(lambda: host_copy_rows(src, picks, raw, max_programs=a.cap))
+                for pf in (False, True) if a.cap else ():
+                    t[f"raw cap{a.cap}{' prefetch' if pf else ''}"] = bench(
+                        lambda: host_copy_rows(src, picks, raw, max_programs=a.cap, prefetch=pf))
             for variant, s in t.items():
                 gbps = N * ROW / s / 1e9
                 res["rows"].append({"picks": N, "stride": stride, "variant": variant, "us": s * 1e6, "GBps": gbps,

@@ -107,8 +107,8 @@ def host_scatter_rows_ref(dst, slots, src, counter=None):
 # ---- Triton ---------------------------------------------------------------------------------------
 
 _FMT_ID = {"int4": 0, "int8": 1, "bf16": 2, "k8v4": 3}
-# A capped grid's programs prefetch their next tile (host_gather_triton's default; False: each tile's reads wait for
-# the previous tile's stores). The host tier caps the gather at half the SMs' count of programs (read groups).
+# A capped grid's programs prefetch their next tile (host_gather_triton's and host_copy_rows_triton's default; False:
+# each tile's reads wait for the previous tile's stores). The host tier caps the gather at half the SMs' count of programs (read groups).
 PREFETCH_CAPPED = True
 
 if triton is not None:
@@ -270,22 +270,48 @@ if triton is not None:
 
     @triton.jit
     def _host_copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, RW: tl.constexpr, HEAD: tl.constexpr,
-                               TAIL: tl.constexpr, ROWS: tl.constexpr):
+                               TAIL: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr):
         """dst[i] = src[rows[i]], rows of RW int32 words read whole: the first HEAD words (a power of two) as one
         unmasked run per row (16-byte vectors), the TAIL words after them (TAIL a power of two >= RW - HEAD) masked;
-        rows < 0 skipped. Programs loop over tiles of ROWS rows (the grid may be capped, see host_gather_triton)."""
-        for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), tl.num_programs(0)):
-            i = tile * ROWS + tl.arange(0, ROWS)
-            r = tl.load(rows_ptr + i, mask=i < n, other=-1).to(tl.int64)
-            ok = (r >= 0)[:, None]
-            a = tl.arange(0, HEAD)[None, :]
-            src_row = src_ptr + r[:, None] * RW
-            dst_row = dst_ptr + i.to(tl.int64)[:, None] * RW
-            tl.store(dst_row + a, tl.load(src_row + a, mask=ok, other=0), mask=ok)
-            if TAIL > 0:
-                b = HEAD + tl.arange(0, TAIL)[None, :]
-                m = ok & (b < RW)
-                tl.store(dst_row + b, tl.load(src_row + b, mask=m, other=0), mask=m)
+        rows < 0 skipped. Programs loop over tiles of ROWS rows (the grid may be capped, see host_gather_triton);
+        PREFETCH: the next tile's reads are issued before this tile's stores (as _host_gather_kernel)."""
+        step = tl.num_programs(0)
+        if PREFETCH:
+            r, x, y = _copy_load(tl.program_id(0), src_ptr, rows_ptr, n, RW, HEAD, TAIL, ROWS)
+            for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), step):
+                r1, x1, y1 = _copy_load(tile + step, src_ptr, rows_ptr, n, RW, HEAD, TAIL, ROWS)
+                _copy_store(tile, r, x, y, dst_ptr, RW, HEAD, TAIL, ROWS)
+                r, x, y = r1, x1, y1
+        else:
+            for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), step):
+                r, x, y = _copy_load(tile, src_ptr, rows_ptr, n, RW, HEAD, TAIL, ROWS)
+                _copy_store(tile, r, x, y, dst_ptr, RW, HEAD, TAIL, ROWS)
+
+    @triton.jit
+    def _copy_load(tile, src_ptr, rows_ptr, n, RW: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+                   ROWS: tl.constexpr):
+        # -> (rows, the HEAD words, the TAIL words; without a tail the head again, a placeholder)
+        i = tile * ROWS + tl.arange(0, ROWS)
+        r = tl.load(rows_ptr + i, mask=i < n, other=-1).to(tl.int64)
+        ok = (r >= 0)[:, None]
+        src_row = src_ptr + r[:, None] * RW
+        x = tl.load(src_row + tl.arange(0, HEAD)[None, :], mask=ok, other=0)
+        y = x
+        if TAIL > 0:
+            b = HEAD + tl.arange(0, TAIL)[None, :]
+            y = tl.load(src_row + b, mask=ok & (b < RW), other=0)
+        return r, x, y
+
+    @triton.jit
+    def _copy_store(tile, r, x, y, dst_ptr, RW: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+                    ROWS: tl.constexpr):
+        i = tile * ROWS + tl.arange(0, ROWS)
+        ok = (r >= 0)[:, None]
+        dst_row = dst_ptr + i.to(tl.int64)[:, None] * RW
+        tl.store(dst_row + tl.arange(0, HEAD)[None, :], x, mask=ok)
+        if TAIL > 0:
+            b = HEAD + tl.arange(0, TAIL)[None, :]
+            tl.store(dst_row + b, y, mask=ok & (b < RW))
 
     _INTERPRETED = not isinstance(_host_gather_kernel, triton.runtime.JITFunction)
 else:
@@ -375,7 +401,7 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, s
     return host_gather_ref(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
 
 
-def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, max_programs=None):
+def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, max_programs=None, prefetch=None):
     rb = src.shape[1]
     assert src.dtype == dst.dtype == torch.uint8 and dst.shape == (rows.shape[0], rb) and rb % 4 == 0
     assert src.is_contiguous() and dst.is_contiguous() and rows.dim() == 1 and rows.is_contiguous()
@@ -387,9 +413,12 @@ def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, ma
     RW = rb // 4
     head = 1 << (RW.bit_length() - 1)
     tail = triton.next_power_of_2(RW - head) if RW > head else 0
-    grid = (min(triton.cdiv(n, rows_per_program), max_programs or n),)
+    tiles = triton.cdiv(n, rows_per_program)
+    grid = (min(tiles, max_programs or n),)
+    if prefetch is None:
+        prefetch = PREFETCH_CAPPED and grid[0] < tiles
     _host_copy_rows_kernel[grid](src.view(torch.int32), rows, dst.view(torch.int32), n, RW=RW, HEAD=head, TAIL=tail,
-                                 ROWS=rows_per_program, num_warps=num_warps)
+                                 ROWS=rows_per_program, PREFETCH=prefetch, num_warps=num_warps)
     return dst
 
 
@@ -397,7 +426,7 @@ def host_copy_rows(src, rows, dst, **kw):
     """dst[i] = src[rows[i]] (uint8 rows as stored, e.g. pinned host rows -> GPU; rows [N], < 0 skipped, those dst
     rows untouched). On CUDA (src pinned or on the GPU) and under TRITON_INTERPRET=1 one kernel reading each row
     whole (1,088-byte int4 rows: a 1,024-byte and a 64-byte run) instead of host_gather's per-field loads; graph-
-    capturable, no host sync. kw: rows_per_program, num_warps, max_programs."""
+    capturable, no host sync. kw: rows_per_program, num_warps, max_programs, prefetch."""
     if _use_triton(dst):
         return host_copy_rows_triton(src, rows, dst, **kw)
     return host_copy_rows_ref(src, rows, dst)
