@@ -72,6 +72,10 @@ def hot_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, fmt: str) -
     return HotBuffer.bytes_per_row(num_layers, num_kv_heads * head_record_bytes(fmt, head_dim))
 
 
+# The read stream's CUDA priority (lower is higher; the main stream's is 0). run 134 compares it with 0.
+READ_STREAM_PRIORITY = -1
+
+
 class HostTier:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  fmt: str, sinks: int, recent: int, hot_fraction: float, num_state_slots: int,
@@ -105,7 +109,12 @@ class HostTier:
         # plain decode in groups of sequences (sparse read_groups, TieredKV.decode_in_groups): each group's rows are
         # read and attended on this stream while the current one scores the next group's selection
         self.read_groups = read_groups if device.type == "cuda" else 1
-        self.read_stream = torch.cuda.Stream(device) if self.read_groups > 1 else None
+        # at a higher priority than the main stream: in a step the group's gather was launched while the next
+        # group's scoring kernel still had blocks queued, and waited ~80 us per layer for them to drain (H200 run
+        # 131: 1.2 ms of a 30 ms step); a high-priority stream's blocks go first (CUDA graphs keep the priority:
+        # PyTorch instantiates them with cudaGraphInstantiateFlagUseNodePriority)
+        self.read_stream = (torch.cuda.Stream(device, priority=READ_STREAM_PRIORITY) if self.read_groups > 1
+                            else None)
         # then the miss gather runs on at most this many programs, each looping over its tiles: its programs mostly
         # wait on PCIe, and one program per tile held the SM slots the next group's scoring needed (H100 run 116)
         self.gather_programs = (torch.cuda.get_device_properties(device).multi_processor_count // 2
