@@ -11,7 +11,8 @@ picks a 27B layer's step makes at 8 x 250K (16K rows of 1,088 B, and 131K), in t
     raw+deq  raw, then the shipped kernel on the copied records (GPU memory): the two-phase miss path
     capN     the grid capped at N programs looping over their tiles, as the host tier runs the gather beside the next
              read group's scoring (N = half the SMs: 66 on an H100 / H200): fields with its tile (rows per program,
-             warps) and raw, each with / without each program prefetching its next tile
+             warps), and raw. (H100 run 134 also timed each capped program prefetching its next tile, commit
+             c5440a4: 4-7% faster alone, 7% slower inside the step; removed.)
     1152     raw over 1,152-byte rows (128-byte aligned; reads 1,152 B per row, GB/s counts the 1,088 a row holds)
 
 GB/s = picked row bytes / time, against the H2D copy bandwidth measured in the same run. Every variant is checked
@@ -106,16 +107,13 @@ def main():
                                               host_gather(raw, local, dk, dv, "int4")))
                 t["deq only (GPU)"] = bench(lambda: host_gather(raw, local, dk, dv, "int4"))
                 for rpp, warps in ((4, 4), (8, 8), (16, 16)) if a.cap else ():   # rpp 4, 4 warps: the shipped tile
-                    for pf in (False, True):
-                        kw = dict(raw=raw, rows_per_program=rpp, num_warps=warps, max_programs=a.cap, prefetch=pf)
-                        ck = torch.zeros(N, HKV, D, device=dev)
-                        host_gather(src, picks, ck, torch.zeros_like(ck), "int4", **kw)
-                        assert torch.equal(ck.cpu(), rk), f"cap {a.cap} rpp {rpp} prefetch {pf}: K differs"
-                        t[f"cap{a.cap} rpp{rpp} w{warps}{' prefetch' if pf else ''}"] = bench(
-                            lambda: host_gather(src, picks, dk, dv, "int4", **kw))
-                for pf in (False, True) if a.cap else ():
-                    t[f"raw cap{a.cap}{' prefetch' if pf else ''}"] = bench(
-                        lambda: host_copy_rows(src, picks, raw, max_programs=a.cap, prefetch=pf))
+                    kw = dict(raw=raw, rows_per_program=rpp, num_warps=warps, max_programs=a.cap)
+                    ck = torch.zeros(N, HKV, D, device=dev)
+                    host_gather(src, picks, ck, torch.zeros_like(ck), "int4", **kw)
+                    assert torch.equal(ck.cpu(), rk), f"cap {a.cap} rpp {rpp}: K differs"
+                    t[f"cap{a.cap} rpp{rpp} w{warps}"] = bench(lambda: host_gather(src, picks, dk, dv, "int4", **kw))
+                if a.cap:
+                    t[f"raw cap{a.cap}"] = bench(lambda: host_copy_rows(src, picks, raw, max_programs=a.cap))
             for variant, s in t.items():
                 gbps = N * ROW / s / 1e9
                 res["rows"].append({"picks": N, "stride": stride, "variant": variant, "us": s * 1e6, "GBps": gbps,

@@ -72,7 +72,7 @@ def hot_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, fmt: str) -
     return HotBuffer.bytes_per_row(num_layers, num_kv_heads * head_record_bytes(fmt, head_dim))
 
 
-# The read stream's CUDA priority (lower is higher; the main stream's is 0). run 134 compares it with 0.
+# The read stream's CUDA priority (lower is higher; the main stream's is 0; see HostTier.__init__)
 READ_STREAM_PRIORITY = -1
 
 
@@ -109,10 +109,11 @@ class HostTier:
         # plain decode in groups of sequences (sparse read_groups, TieredKV.decode_in_groups): each group's rows are
         # read and attended on this stream while the current one scores the next group's selection
         self.read_groups = read_groups if device.type == "cuda" else 1
-        # at a higher priority than the main stream: in a step the group's gather was launched while the next
-        # group's scoring kernel still had blocks queued, and waited ~80 us per layer for them to drain (H200 run
-        # 131: 1.2 ms of a 30 ms step); a high-priority stream's blocks go first (CUDA graphs keep the priority:
-        # PyTorch instantiates them with cudaGraphInstantiateFlagUseNodePriority)
+        # at a higher priority than the main stream: at priority 0 a group's gather, launched while the next group's
+        # scoring kernel still had blocks queued, waited ~80 us per layer for them to drain (H200 run 131: 1.2 ms
+        # of a 30 ms step); a high-priority stream's blocks go first (CUDA graphs keep the priority: PyTorch
+        # instantiates them with cudaGraphInstantiateFlagUseNodePriority). H100 run 134: the wait gone, bf16
+        # 8 x 250K 34.68 vs 35.12 ms per step
         self.read_stream = (torch.cuda.Stream(device, priority=READ_STREAM_PRIORITY) if self.read_groups > 1
                             else None)
         # then the miss gather runs on at most this many programs, each looping over its tiles: its programs mostly

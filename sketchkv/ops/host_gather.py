@@ -107,9 +107,6 @@ def host_scatter_rows_ref(dst, slots, src, counter=None):
 # ---- Triton ---------------------------------------------------------------------------------------
 
 _FMT_ID = {"int4": 0, "int8": 1, "bf16": 2, "k8v4": 3}
-# A capped grid's programs prefetch their next tile (host_gather_triton's and host_copy_rows_triton's default; False:
-# each tile's reads wait for the previous tile's stores). The host tier caps the gather at half the SMs' count of programs (read groups).
-PREFETCH_CAPPED = True
 
 if triton is not None:
 
@@ -119,42 +116,31 @@ if triton is not None:
         stride_rh, stride_dh, stride_km, stride_kh, stride_vm, stride_vh,
         FMT: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
         ROW_BYTES: tl.constexpr, HEAD_BYTES: tl.constexpr, ROWS: tl.constexpr,
-        PER_HEAD: tl.constexpr, HAS_DROWS: tl.constexpr, RAW: tl.constexpr, PREFETCH: tl.constexpr,
+        PER_HEAD: tl.constexpr, HAS_DROWS: tl.constexpr, RAW: tl.constexpr,
     ):
-        # program p: tiles p, p + programs, ... (one each unless the grid is capped: max_programs). PREFETCH: the
-        # next tile's loads are issued before this tile is dequantised and stored, so a capped program keeps two
-        # tiles of PCIe reads in flight instead of one (its loop otherwise waits a full read latency per tile)
-        if PER_HEAD:  # HP == 1: this program's KV head
-            h0 = tl.program_id(1)
-            rows_ptr += h0 * stride_rh
-            drows_ptr += h0 * stride_dh
-            heads = h0 + tl.arange(0, HP)
-        else:
-            heads = tl.arange(0, HP)
-        step = tl.num_programs(0)
-        if PREFETCH:
-            r, dr, a, b, c, d = _load_tile(tl.program_id(0), heads, data_ptr, scale_ptr, rows_ptr, drows_ptr, n, FMT,
-                                           HKV, D, NG, ROW_BYTES, HEAD_BYTES, ROWS, HAS_DROWS)
-            for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), step):
-                r1, dr1, a1, b1, c1, d1 = _load_tile(tile + step, heads, data_ptr, scale_ptr, rows_ptr, drows_ptr, n,
-                                                     FMT, HKV, D, NG, ROW_BYTES, HEAD_BYTES, ROWS, HAS_DROWS)
-                _store_tile(r, dr, a, b, c, d, heads, dk_ptr, dv_ptr, rawd_ptr, raws_ptr, stride_km, stride_kh,
-                            stride_vm, stride_vh, FMT, HKV, HP, D, NG, ROW_BYTES, HEAD_BYTES, ROWS, RAW)
-                r, dr, a, b, c, d = r1, dr1, a1, b1, c1, d1
-        else:
-            for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), step):
-                r, dr, a, b, c, d = _load_tile(tile, heads, data_ptr, scale_ptr, rows_ptr, drows_ptr, n, FMT, HKV, D,
-                                               NG, ROW_BYTES, HEAD_BYTES, ROWS, HAS_DROWS)
-                _store_tile(r, dr, a, b, c, d, heads, dk_ptr, dv_ptr, rawd_ptr, raws_ptr, stride_km, stride_kh,
-                            stride_vm, stride_vh, FMT, HKV, HP, D, NG, ROW_BYTES, HEAD_BYTES, ROWS, RAW)
+        # program p: tiles p, p + programs, ... (one each unless the grid is capped: max_programs)
+        for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), tl.num_programs(0)):
+            _gather_tile(tile, data_ptr, scale_ptr, rows_ptr, drows_ptr, dk_ptr, dv_ptr, rawd_ptr, raws_ptr, n,
+                         stride_rh, stride_dh, stride_km, stride_kh, stride_vm, stride_vh, FMT, HKV, HP, D, NG,
+                         ROW_BYTES, HEAD_BYTES, ROWS, PER_HEAD, HAS_DROWS, RAW)
 
     @triton.jit
-    def _load_tile(tile, heads, data_ptr, scale_ptr, rows_ptr, drows_ptr, n, FMT: tl.constexpr, HKV: tl.constexpr,
-                   D: tl.constexpr, NG: tl.constexpr, ROW_BYTES: tl.constexpr, HEAD_BYTES: tl.constexpr, ROWS: tl.constexpr,
-                   HAS_DROWS: tl.constexpr):
-        # -> (host rows r, destination rows dr, the tile's record fields a, b, c, d as the format stores them; a
-        # field a format lacks is r, a placeholder). Tiles past the end load nothing (r = -1).
+    def _gather_tile(
+        tile, data_ptr, scale_ptr, rows_ptr, drows_ptr, dk_ptr, dv_ptr, rawd_ptr, raws_ptr, n,
+        stride_rh, stride_dh, stride_km, stride_kh, stride_vm, stride_vh,
+        FMT: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+        ROW_BYTES: tl.constexpr, HEAD_BYTES: tl.constexpr, ROWS: tl.constexpr,
+        PER_HEAD: tl.constexpr, HAS_DROWS: tl.constexpr, RAW: tl.constexpr,
+    ):
+        # RAW: also store each record as read (same views as data/scale) at its destination row
         i = tile * ROWS + tl.arange(0, ROWS)
+        if PER_HEAD:  # HP == 1: this program's KV head
+            h0 = tl.program_id(1)
+            heads = h0 + tl.arange(0, HP)
+            rows_ptr += h0 * stride_rh
+            drows_ptr += h0 * stride_dh
+        else:
+            heads = tl.arange(0, HP)
         r = tl.load(rows_ptr + i, mask=i < n, other=-1).to(tl.int64)
         ok = r >= 0
         if HAS_DROWS:
@@ -166,91 +152,77 @@ if triton is not None:
         # offsets of each head record in units of the view's element (constant multipliers keep the
         # 16-byte alignment visible to the compiler -> 16-byte vector loads)
         rec2 = r[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2)   # fp16 / bf16 units
-        rec4 = r[:, None] * (ROW_BYTES // 4) + heads[None, :] * (HEAD_BYTES // 4)   # int32 words
-        if FMT == 0:  # int4: codes as int32 words (8 nibbles), fp16 scale per group, K then V
+        d = tl.arange(0, D)
+        if FMT == 0:  # int4: codes as int32 words (8 nibbles), fp16 scale per group
             w = tl.arange(0, D // 8)
+            rec4 = r[:, None] * (ROW_BYTES // 4) + heads[None, :] * (HEAD_BYTES // 4)
             wb = rec4[:, :, None] + w[None, None, :]
-            a = tl.load(data_ptr + wb, mask=m3, other=0)
-            b = tl.load(data_ptr + wb + D // 8, mask=m3, other=0)
+            kw = tl.load(data_ptr + wb, mask=m3, other=0)
+            vw = tl.load(data_ptr + wb + D // 8, mask=m3, other=0)
             g = tl.arange(0, 2 * NG)  # K then V scales, after the D code bytes: one 4*NG-byte load
-            c = tl.load(scale_ptr + (rec2 + D // 2)[:, :, None] + g[None, None, :], mask=m3, other=0.0)
-            d = r
-        elif FMT == 1:  # int8 codes, one fp16 scale each for K and V after them
-            db = (r[:, None] * ROW_BYTES + heads[None, :] * HEAD_BYTES)[:, :, None] + tl.arange(0, D)[None, None, :]
-            a = tl.load(data_ptr + db, mask=m3, other=0)
-            b = tl.load(data_ptr + db + D, mask=m3, other=0)
-            c = tl.load(scale_ptr + rec2 + D, mask=m2, other=0.0)
-            d = tl.load(scale_ptr + rec2 + D + 1, mask=m2, other=0.0)
-        elif FMT == 3:  # k8v4: int8 K codes then int4 V codes, both as int32 words; K's scale, V's group scales
-            a = tl.load(data_ptr + rec4[:, :, None] + tl.arange(0, D // 4)[None, None, :], mask=m3, other=0)
-            b = tl.load(data_ptr + rec4[:, :, None] + D // 4 + tl.arange(0, D // 8)[None, None, :], mask=m3, other=0)
-            c = tl.load(scale_ptr + rec2 + 3 * D // 4, mask=m2, other=0.0)
-            d = tl.load(scale_ptr + (rec2 + 3 * D // 4 + 1)[:, :, None] + tl.arange(0, NG)[None, None, :], mask=m3,
-                        other=0.0)
-        else:  # bf16
-            db = rec2[:, :, None] + tl.arange(0, D)[None, None, :]
-            a = tl.load(data_ptr + db, mask=m3, other=0.0)
-            b = tl.load(data_ptr + db + D, mask=m3, other=0.0)
-            c = r
-            d = r
-        return r, dr, a, b, c, d
-
-    @triton.jit
-    def _store_tile(r, dr, a, b, c, d, heads, dk_ptr, dv_ptr, rawd_ptr, raws_ptr, stride_km, stride_kh, stride_vm, stride_vh,
-                    FMT: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
-                    ROW_BYTES: tl.constexpr, HEAD_BYTES: tl.constexpr, ROWS: tl.constexpr, RAW: tl.constexpr):
-        # dequantise a loaded tile (_load_tile's fields) into K/V rows; RAW: also store each record as read (same
-        # views as data/scale) at its destination row
-        m2 = (r >= 0)[:, None] & (heads < HKV)[None, :]
-        m3 = m2[:, :, None]
-        dd = tl.arange(0, D)
-        if FMT == 0:
+            sc = tl.load(scale_ptr + (rec2 + D // 2)[:, :, None] + g[None, None, :], mask=m3, other=0.0)
             if RAW:
-                w = tl.arange(0, D // 8)
                 wr = (dr[:, None] * (ROW_BYTES // 4) + heads[None, :] * (HEAD_BYTES // 4))[:, :, None] + w[None, None, :]
-                tl.store(rawd_ptr + wr, a, mask=m3)
-                tl.store(rawd_ptr + wr + D // 8, b, mask=m3)
+                tl.store(rawd_ptr + wr, kw, mask=m3)
+                tl.store(rawd_ptr + wr + D // 8, vw, mask=m3)
                 sr = (dr[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2) + D // 2)[:, :, None]
-                tl.store(raws_ptr + sr + tl.arange(0, 2 * NG)[None, None, :], c, mask=m3)
-            ks, vs = tl.split(tl.permute(tl.reshape(c.to(tl.float32), [ROWS, HP, 2, NG]), (0, 1, 3, 2)))
+                tl.store(raws_ptr + sr + g[None, None, :], sc, mask=m3)
+            ks, vs = tl.split(tl.permute(tl.reshape(sc.to(tl.float32), [ROWS, HP, 2, NG]), (0, 1, 3, 2)))
             sh = tl.arange(0, 8) * 4
-            kq = (((a[:, :, :, None] >> sh[None, None, None, :]) & 15) - 8).to(tl.float32)
-            vq = (((b[:, :, :, None] >> sh[None, None, None, :]) & 15) - 8).to(tl.float32)
+            kq = (((kw[:, :, :, None] >> sh[None, None, None, :]) & 15) - 8).to(tl.float32)
+            vq = (((vw[:, :, :, None] >> sh[None, None, None, :]) & 15) - 8).to(tl.float32)
             k = tl.reshape(tl.reshape(kq, [ROWS, HP, NG, D // NG]) * ks[:, :, :, None], [ROWS, HP, D])
             v = tl.reshape(tl.reshape(vq, [ROWS, HP, NG, D // NG]) * vs[:, :, :, None], [ROWS, HP, D])
-        elif FMT == 1:
+        elif FMT == 1:  # int8 codes, one fp16 scale each for K and V after them
+            rec1 = r[:, None] * ROW_BYTES + heads[None, :] * HEAD_BYTES
+            db = rec1[:, :, None] + d[None, None, :]
+            kq = tl.load(data_ptr + db, mask=m3, other=0)
+            vq = tl.load(data_ptr + db + D, mask=m3, other=0)
+            ks = tl.load(scale_ptr + rec2 + D, mask=m2, other=0.0)
+            vs = tl.load(scale_ptr + rec2 + D + 1, mask=m2, other=0.0)
             if RAW:
-                wr = (dr[:, None] * ROW_BYTES + heads[None, :] * HEAD_BYTES)[:, :, None] + dd[None, None, :]
-                tl.store(rawd_ptr + wr, a, mask=m3)
-                tl.store(rawd_ptr + wr + D, b, mask=m3)
+                wr = (dr[:, None] * ROW_BYTES + heads[None, :] * HEAD_BYTES)[:, :, None] + d[None, None, :]
+                tl.store(rawd_ptr + wr, kq, mask=m3)
+                tl.store(rawd_ptr + wr + D, vq, mask=m3)
                 sr = dr[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2) + D
-                tl.store(raws_ptr + sr, c, mask=m2)
-                tl.store(raws_ptr + sr + 1, d, mask=m2)
-            k = a.to(tl.float32) * c.to(tl.float32)[:, :, None]
-            v = b.to(tl.float32) * d.to(tl.float32)[:, :, None]
-        elif FMT == 3:
+                tl.store(raws_ptr + sr, ks, mask=m2)
+                tl.store(raws_ptr + sr + 1, vs, mask=m2)
+            k = kq.to(tl.float32) * ks.to(tl.float32)[:, :, None]
+            v = vq.to(tl.float32) * vs.to(tl.float32)[:, :, None]
+        elif FMT == 3:  # k8v4: int8 K codes then int4 V codes, both read as int32 words; K's scale, V's group scales
+            rec4 = r[:, None] * (ROW_BYTES // 4) + heads[None, :] * (HEAD_BYTES // 4)
+            wk = tl.arange(0, D // 4)
+            wv = tl.arange(0, D // 8)
+            g = tl.arange(0, NG)
+            kw = tl.load(data_ptr + rec4[:, :, None] + wk[None, None, :], mask=m3, other=0)
+            vw = tl.load(data_ptr + rec4[:, :, None] + D // 4 + wv[None, None, :], mask=m3, other=0)
+            ks = tl.load(scale_ptr + rec2 + 3 * D // 4, mask=m2, other=0.0)
+            vs = tl.load(scale_ptr + (rec2 + 3 * D // 4 + 1)[:, :, None] + g[None, None, :], mask=m3, other=0.0)
             if RAW:
                 wr = (dr[:, None] * (ROW_BYTES // 4) + heads[None, :] * (HEAD_BYTES // 4))[:, :, None]
-                tl.store(rawd_ptr + wr + tl.arange(0, D // 4)[None, None, :], a, mask=m3)
-                tl.store(rawd_ptr + wr + D // 4 + tl.arange(0, D // 8)[None, None, :], b, mask=m3)
+                tl.store(rawd_ptr + wr + wk[None, None, :], kw, mask=m3)
+                tl.store(rawd_ptr + wr + D // 4 + wv[None, None, :], vw, mask=m3)
                 sr = dr[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2) + 3 * D // 4
-                tl.store(raws_ptr + sr, c, mask=m2)
-                tl.store(raws_ptr + (sr + 1)[:, :, None] + tl.arange(0, NG)[None, None, :], d, mask=m3)
+                tl.store(raws_ptr + sr, ks, mask=m2)
+                tl.store(raws_ptr + (sr + 1)[:, :, None] + g[None, None, :], vs, mask=m3)
             sk = (3 - tl.arange(0, 4)) * 8       # byte i of a word (dim 4w + i) to the top, then back: sign-extended
-            kq = ((a[:, :, :, None] << sk[None, None, None, :]) >> 24).to(tl.float32)
-            k = tl.reshape(kq, [ROWS, HP, D]) * c.to(tl.float32)[:, :, None]
+            kq = ((kw[:, :, :, None] << sk[None, None, None, :]) >> 24).to(tl.float32)
+            k = tl.reshape(kq, [ROWS, HP, D]) * ks.to(tl.float32)[:, :, None]
             sh = tl.arange(0, 8) * 4
-            vq = (((b[:, :, :, None] >> sh[None, None, None, :]) & 15) - 8).to(tl.float32)
-            v = tl.reshape(tl.reshape(vq, [ROWS, HP, NG, D // NG]) * d.to(tl.float32)[:, :, :, None], [ROWS, HP, D])
-        else:
+            vq = (((vw[:, :, :, None] >> sh[None, None, None, :]) & 15) - 8).to(tl.float32)
+            v = tl.reshape(tl.reshape(vq, [ROWS, HP, NG, D // NG]) * vs.to(tl.float32)[:, :, :, None], [ROWS, HP, D])
+        else:  # bf16
+            db = rec2[:, :, None] + d[None, None, :]
+            kb = tl.load(data_ptr + db, mask=m3, other=0.0)
+            vb = tl.load(data_ptr + db + D, mask=m3, other=0.0)
             if RAW:
-                wr = (dr[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2))[:, :, None] + dd[None, None, :]
-                tl.store(rawd_ptr + wr, a, mask=m3)
-                tl.store(rawd_ptr + wr + D, b, mask=m3)
-            k = a.to(tl.float32)
-            v = b.to(tl.float32)
-        ko = dk_ptr + dr[:, None, None] * stride_km + heads[None, :, None] * stride_kh + dd[None, None, :]
-        vo = dv_ptr + dr[:, None, None] * stride_vm + heads[None, :, None] * stride_vh + dd[None, None, :]
+                wr = (dr[:, None] * (ROW_BYTES // 2) + heads[None, :] * (HEAD_BYTES // 2))[:, :, None] + d[None, None, :]
+                tl.store(rawd_ptr + wr, kb, mask=m3)
+                tl.store(rawd_ptr + wr + D, vb, mask=m3)
+            k = kb.to(tl.float32)
+            v = vb.to(tl.float32)
+        ko = dk_ptr + dr[:, None, None] * stride_km + heads[None, :, None] * stride_kh + d[None, None, :]
+        vo = dv_ptr + dr[:, None, None] * stride_vm + heads[None, :, None] * stride_vh + d[None, None, :]
         tl.store(ko, k.to(dk_ptr.dtype.element_ty), mask=m3)
         tl.store(vo, v.to(dv_ptr.dtype.element_ty), mask=m3)
 
@@ -270,48 +242,22 @@ if triton is not None:
 
     @triton.jit
     def _host_copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, n, RW: tl.constexpr, HEAD: tl.constexpr,
-                               TAIL: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr):
+                               TAIL: tl.constexpr, ROWS: tl.constexpr):
         """dst[i] = src[rows[i]], rows of RW int32 words read whole: the first HEAD words (a power of two) as one
         unmasked run per row (16-byte vectors), the TAIL words after them (TAIL a power of two >= RW - HEAD) masked;
-        rows < 0 skipped. Programs loop over tiles of ROWS rows (the grid may be capped, see host_gather_triton);
-        PREFETCH: the next tile's reads are issued before this tile's stores (as _host_gather_kernel)."""
-        step = tl.num_programs(0)
-        if PREFETCH:
-            r, x, y = _copy_load(tl.program_id(0), src_ptr, rows_ptr, n, RW, HEAD, TAIL, ROWS)
-            for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), step):
-                r1, x1, y1 = _copy_load(tile + step, src_ptr, rows_ptr, n, RW, HEAD, TAIL, ROWS)
-                _copy_store(tile, r, x, y, dst_ptr, RW, HEAD, TAIL, ROWS)
-                r, x, y = r1, x1, y1
-        else:
-            for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), step):
-                r, x, y = _copy_load(tile, src_ptr, rows_ptr, n, RW, HEAD, TAIL, ROWS)
-                _copy_store(tile, r, x, y, dst_ptr, RW, HEAD, TAIL, ROWS)
-
-    @triton.jit
-    def _copy_load(tile, src_ptr, rows_ptr, n, RW: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
-                   ROWS: tl.constexpr):
-        # -> (rows, the HEAD words, the TAIL words; without a tail the head again, a placeholder)
-        i = tile * ROWS + tl.arange(0, ROWS)
-        r = tl.load(rows_ptr + i, mask=i < n, other=-1).to(tl.int64)
-        ok = (r >= 0)[:, None]
-        src_row = src_ptr + r[:, None] * RW
-        x = tl.load(src_row + tl.arange(0, HEAD)[None, :], mask=ok, other=0)
-        y = x
-        if TAIL > 0:
-            b = HEAD + tl.arange(0, TAIL)[None, :]
-            y = tl.load(src_row + b, mask=ok & (b < RW), other=0)
-        return r, x, y
-
-    @triton.jit
-    def _copy_store(tile, r, x, y, dst_ptr, RW: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
-                    ROWS: tl.constexpr):
-        i = tile * ROWS + tl.arange(0, ROWS)
-        ok = (r >= 0)[:, None]
-        dst_row = dst_ptr + i.to(tl.int64)[:, None] * RW
-        tl.store(dst_row + tl.arange(0, HEAD)[None, :], x, mask=ok)
-        if TAIL > 0:
-            b = HEAD + tl.arange(0, TAIL)[None, :]
-            tl.store(dst_row + b, y, mask=ok & (b < RW))
+        rows < 0 skipped. Programs loop over tiles of ROWS rows (the grid may be capped, see host_gather_triton)."""
+        for tile in range(tl.program_id(0), tl.cdiv(n, ROWS), tl.num_programs(0)):
+            i = tile * ROWS + tl.arange(0, ROWS)
+            r = tl.load(rows_ptr + i, mask=i < n, other=-1).to(tl.int64)
+            ok = (r >= 0)[:, None]
+            a = tl.arange(0, HEAD)[None, :]
+            src_row = src_ptr + r[:, None] * RW
+            dst_row = dst_ptr + i.to(tl.int64)[:, None] * RW
+            tl.store(dst_row + a, tl.load(src_row + a, mask=ok, other=0), mask=ok)
+            if TAIL > 0:
+                b = HEAD + tl.arange(0, TAIL)[None, :]
+                m = ok & (b < RW)
+                tl.store(dst_row + b, tl.load(src_row + b, mask=m, other=0), mask=m)
 
     _INTERPRETED = not isinstance(_host_gather_kernel, triton.runtime.JITFunction)
 else:
@@ -338,11 +284,9 @@ def _views(buf, fmt):
 
 
 def host_gather_triton(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, raw=None, *, rows_per_program=None,
-                       num_warps=4, max_programs=None, prefetch=None):
+                       num_warps=4, max_programs=None):
     """max_programs: cap the grid (each program then loops over its share of the tiles), leaving SMs to kernels
-    of other streams while the PCIe reads are in flight (default: one program per tile). prefetch: each program
-    issues its next tile's reads before it dequantises and stores the current one (default: when the grid is
-    capped)."""
+    of other streams while the PCIe reads are in flight (default: one program per tile)."""
     Hkv, D, hb = _check(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
     assert D & (D - 1) == 0 and D >= 16, "head_dim must be a power of two >= 16"
     assert rows.stride(-1) == 1 and (dst_rows is None or dst_rows.stride(-1) == 1)
@@ -358,17 +302,14 @@ def host_gather_triton(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, raw=Non
     data, scale = _views(src, fmt)
     raw_data, raw_scale = _views(raw, fmt) if raw is not None else (data, scale)  # dummies when absent
     drows = dst_rows if dst_rows is not None else rows  # dummy pointer when absent
-    tiles = triton.cdiv(N, ROWS)
-    grid = (min(tiles, max_programs or N), Hkv if per_head else 1)
-    if prefetch is None:
-        prefetch = PREFETCH_CAPPED and grid[0] < tiles
+    grid = (min(triton.cdiv(N, ROWS), max_programs or N), Hkv if per_head else 1)
     _host_gather_kernel[grid](
         data, scale, rows, drows, dst_k, dst_v, raw_data, raw_scale, N,
         rows.stride(0) if per_head else 0, drows.stride(0) if per_head else 0,
         dst_k.stride(0), dst_k.stride(1), dst_v.stride(0), dst_v.stride(1),
         FMT=_FMT_ID[fmt], HKV=Hkv, HP=HP, D=D, NG=D // group_size(D) if fmt in ("int4", "k8v4") else 1,
         ROW_BYTES=Hkv * hb, HEAD_BYTES=hb, ROWS=ROWS, PER_HEAD=per_head, HAS_DROWS=dst_rows is not None,
-        RAW=raw is not None, PREFETCH=prefetch, num_warps=num_warps,
+        RAW=raw is not None, num_warps=num_warps,
     )
     return dst_k, dst_v
 
@@ -383,7 +324,7 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, s
     receives each pick's record as stored (see host_gather_ref). sort=True orders the picks by address first (on the
     device, no sync), within each of `segments` equal parts of the last dim (the host tier: one per sequence, whose
     rows live in its own blocks, so this has a global sort's locality). Triton on CUDA (src pinned or on the GPU) and under TRITON_INTERPRET=1; the
-    reference otherwise. kw: rows_per_program, num_warps, max_programs, prefetch (kernel knobs)."""
+    reference otherwise. kw: rows_per_program, num_warps, max_programs (kernel knobs)."""
     if sort:
         # 32-bit keys (host rows < 2^31). Segments of <= 4096 keys sort inside one block each: one kernel, where
         # the tier's flattened batch took 8 radix passes (58 us per layer at 8 x 250K, H200 run 35; 20 in run 38).
@@ -401,7 +342,7 @@ def host_gather(src, rows, dst_k, dst_v, fmt: str, dst_rows=None, *, raw=None, s
     return host_gather_ref(src, rows, dst_k, dst_v, fmt, dst_rows, raw)
 
 
-def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, max_programs=None, prefetch=None):
+def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, max_programs=None):
     rb = src.shape[1]
     assert src.dtype == dst.dtype == torch.uint8 and dst.shape == (rows.shape[0], rb) and rb % 4 == 0
     assert src.is_contiguous() and dst.is_contiguous() and rows.dim() == 1 and rows.is_contiguous()
@@ -413,12 +354,9 @@ def host_copy_rows_triton(src, rows, dst, *, rows_per_program=8, num_warps=4, ma
     RW = rb // 4
     head = 1 << (RW.bit_length() - 1)
     tail = triton.next_power_of_2(RW - head) if RW > head else 0
-    tiles = triton.cdiv(n, rows_per_program)
-    grid = (min(tiles, max_programs or n),)
-    if prefetch is None:
-        prefetch = PREFETCH_CAPPED and grid[0] < tiles
+    grid = (min(triton.cdiv(n, rows_per_program), max_programs or n),)
     _host_copy_rows_kernel[grid](src.view(torch.int32), rows, dst.view(torch.int32), n, RW=RW, HEAD=head, TAIL=tail,
-                                 ROWS=rows_per_program, PREFETCH=prefetch, num_warps=num_warps)
+                                 ROWS=rows_per_program, num_warps=num_warps)
     return dst
 
 
@@ -426,7 +364,7 @@ def host_copy_rows(src, rows, dst, **kw):
     """dst[i] = src[rows[i]] (uint8 rows as stored, e.g. pinned host rows -> GPU; rows [N], < 0 skipped, those dst
     rows untouched). On CUDA (src pinned or on the GPU) and under TRITON_INTERPRET=1 one kernel reading each row
     whole (1,088-byte int4 rows: a 1,024-byte and a 64-byte run) instead of host_gather's per-field loads; graph-
-    capturable, no host sync. kw: rows_per_program, num_warps, max_programs, prefetch."""
+    capturable, no host sync. kw: rows_per_program, num_warps, max_programs."""
     if _use_triton(dst):
         return host_copy_rows_triton(src, rows, dst, **kw)
     return host_copy_rows_ref(src, rows, dst)

@@ -37,3 +37,15 @@ grep -E "H2D|N=" $OUT/rows.txt | grep -v 1152 | cut -c1-100
 grep -E "softmax|per kernel" $OUT/sketch-score.txt 2>/dev/null | cut -c1-200
 for f in $OUT/s-*.txt; do echo "$(basename $f): $(grep -E '\] step |kernels|tok/s at|floor' $f | tr -s ' ' | tr '\n' ';' | cut -c1-300)"; done
 cat $OUT/all.log
+
+# The first call ran the above (551 s; its first step, "bf16", ran out of its 150 s compiling on the fresh machine).
+# Calls 2 and 3, the same warm machine (r/ renamed in this folder: np = prefetch off, priority -1 = the new default;
+# old = both off; prefetch = both on):
+# . benchmarks/next/preamble.sh; END=380; B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --steps 12 --model random:qwen3.5-27b"
+# SET='import sys; import sketchkv.ops.host_gather as h, sketchkv.kv.host_tier as t
+# h.PREFETCH_CAPPED, t.READ_STREAM_PRIORITY = sys.argv[1] == "1", int(sys.argv[2])
+# from sketchkv.cli import main; sys.exit(main(sys.argv[3:]))'
+# STEP_S=100 step bf16 python3 -c "$SET" 1 -1 $B; STEP_S=80 step np python3 -c "$SET" 0 -1 $B
+# STEP_S=80 step np-lse16 python3 -c "$SET" 0 -1 $B --sparse-softmax-lse-stride 16; STEP_S=80 step old python3 -c "$SET" 0 0 $B
+# STEP_S=80 step bf16-2 python3 -c "$SET" 1 -1 $B; STEP_S=80 step np-2 python3 -c "$SET" 0 -1 $B          (271 s)
+# (call 3, END=230) np-lse16-2, np-3, np-lse16-3 as above, then np with --profile                          (200 s)
