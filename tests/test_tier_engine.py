@@ -9,6 +9,7 @@ import torch
 
 from sketchkv import LLM, SamplingParams
 from sketchkv.errors import CapacityError
+from sketchkv.kv import host_tier
 from sketchkv.kv.host_store import HostKVStore
 from sketchkv.layers.tiered_attention import TieredAttention
 from sketchkv.ops import paged_attention as pa
@@ -301,7 +302,7 @@ def test_tier_stats_add_up(ckpt_with_basis):
     llm = _llm(ckpt_with_basis, True, fmt="int4")
     eng, tier = llm.engine, llm.engine.runner.tier
     picks = prefix_rows = 0
-    orig_gather, orig_prefix, orig_rows = tier.gather, tier.read_prefix, tier.read_rows
+    orig_gather, orig_prefix, orig_rows = tier.gather_misses, tier.read_prefix, tier.read_rows
 
     def gather(layer, pos, counts, block_tables, seq_lens, state_slots, **out):
         nonlocal picks
@@ -320,7 +321,7 @@ def test_tier_stats_add_up(ckpt_with_basis):
         nonlocal prefix_rows
         prefix_rows += pos.shape[0]
         return orig_rows(layer, block_table, pos, dtype)
-    tier.gather, tier.read_prefix, tier.read_rows = gather, read_prefix, read_rows
+    tier.gather_misses, tier.read_prefix, tier.read_rows = gather, read_prefix, read_rows
     for p in prompts:
         eng.add_request(p, sp)
     seen = {}
@@ -647,27 +648,31 @@ def test_gpu_admit_stream_same_tokens_and_hits(gpu_ckpt):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_read_groups_same_tokens_and_hits(gpu_ckpt):
-    """sparse_read_groups=3 (each group's host reads and attention on the read stream, overlapping the next group's
-    scoring, inside the decode CUDA graphs) against one group, fp32 (the decode kernel's splits follow the batch
-    size): the same greedy tokens and hot-buffer hits and misses."""
+def test_gpu_read_groups_same_tokens_and_hits(gpu_ckpt, monkeypatch):
+    """sparse_read_groups=3 (each group's host reads on the read stream, overlapping the next group's scoring; its
+    hits and attention after them on the read stream, or on the attend stream, overlapping the next group's reads;
+    inside the decode CUDA graphs) against one group, fp32 (the decode kernel's splits follow the batch size): the
+    same greedy tokens and hot-buffer hits and misses."""
     import gc
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6000, 4000, 2500, 900)]
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     out = {}
-    for groups in (1, 3):
+    for groups, attend in ((1, False), (3, False), (3, True)):
+        monkeypatch.setattr(host_tier, "ATTEND_STREAM", attend)
         llm = None
         gc.collect()
         torch.cuda.empty_cache()
         llm = LLM(gpu_ckpt, **GPU_OPTS, dtype="float32", sparse_host_tier=True, sparse_host_format="int4",
                   sparse_read_groups=groups)
-        assert llm.engine.runner.graphs and (llm.engine.runner.tier.read_stream is not None) == (groups > 1)
+        tier = llm.engine.runner.tier
+        assert llm.engine.runner.graphs and (tier.read_stream is not None) == (groups > 1)
+        assert (tier.attend_stream is not None) == attend
         toks = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
         s = llm.tier_stats()
-        out[groups] = (toks, s.hits, s.misses)
+        out[groups, attend] = (toks, s.hits, s.misses)
         assert s.hits > 0 and s.misses > 0
-    assert out[1] == out[3]
+    assert out[1, False] == out[3, False] == out[3, True]
 
 
 @pytest.mark.gpu

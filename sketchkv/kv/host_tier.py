@@ -74,6 +74,9 @@ def hot_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, fmt: str) -
 
 # The read stream's CUDA priority (lower is higher; the main stream's is 0; see HostTier.__init__)
 READ_STREAM_PRIORITY = -1
+# Read groups: a group's hits, key base and attention on their own stream (HostTier.attending; False: on the read
+# stream after its reads). Built in session 44 without a GPU: off until run 135 tests and times it.
+ATTEND_STREAM = False
 
 
 class HostTier:
@@ -116,6 +119,10 @@ class HostTier:
         # 8 x 250K 34.68 vs 35.12 ms per step
         self.read_stream = (torch.cuda.Stream(device, priority=READ_STREAM_PRIORITY) if self.read_groups > 1
                             else None)
+        # and each group's hits, key base and attention on a third stream once its reads are done, so the read stream
+        # goes on to the next group's PCIe reads meanwhile (they were queued behind that work: ~56 us per layer)
+        self.attend_stream = (torch.cuda.Stream(device, priority=READ_STREAM_PRIORITY) if self.read_stream is not None
+                              and ATTEND_STREAM else None)
         # then the miss gather runs on at most this many programs, each looping over its tiles: its programs mostly
         # wait on PCIe, and one program per tile held the SM slots the next group's scoring needed (H100 run 116)
         self.gather_programs = (torch.cuda.get_device_properties(device).multi_processor_count // 2
@@ -250,14 +257,16 @@ class HostTier:
             return k
         return self.key_base[layer](k, slots, -1, out=torch.empty(k.shape, dtype=torch.float32, device=k.device))
 
-    def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, state_slots: torch.Tensor, miss_out: torch.Tensor | None = None,
-               rec_out: torch.Tensor | None = None):
-        """pos [B, N] selected positions (ascending, SENTINEL-padded; the first counts[b] valid) ->
-        k, v [B, Np, Hkv, D] (Np = N rounded up to ATTN_BLOCK; row j: position pos[b, j]), miss
-        keys [B, Np] (host slot of each row read from host memory, -1 elsewhere: what to admit) and
-        their host records [B, Np, row_bytes] (miss rows only). miss_out / rec_out: contiguous tensors of those
-        shapes to write them into (TieredKV.decode_in_groups: a group's rows of whole-batch buffers)."""
+    def gather_misses(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, state_slots: torch.Tensor, miss_out: torch.Tensor | None = None,
+                      rec_out: torch.Tensor | None = None):
+        """The PCIe half of reading a selection: pos [B, N] selected positions (ascending, SENTINEL-padded; the first
+        counts[b] valid) -> k, v [B, Np, Hkv, D] (Np = N rounded up to ATTN_BLOCK; row j: position pos[b, j]) with
+        the resident rows and the misses read from host memory (miss_read "fields"; "rows": their records only),
+        miss keys [B, Np] (host slot of each row read from host memory, -1 elsewhere: what to admit), hit rows
+        [B, Np] (the hot-buffer row of each hit, -1 elsewhere) and the misses' host records [B, Np, row_bytes].
+        fill_hits completes k, v. miss_out / rec_out: contiguous tensors of those shapes to write into
+        (TieredKV.decode_in_groups: a group's rows of whole-batch buffers)."""
         B, N = pos.shape
         Np = -(-N // ATTN_BLOCK) * ATTN_BLOCK
         k, v, miss, hit = compose_rows(pos, counts, seq_lens, state_slots, block_tables, self.hot.map[layer],
@@ -265,7 +274,6 @@ class HostTier:
                                        self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent,
                                        ring=self.ring, width=self.width, block_size=self.block_size,
                                        dump_row=self.dump_row, Np=Np, miss=miss_out)
-        kf, vf = k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D)
         if rec_out is None:
             rec = torch.empty(B * Np, self.store.row_bytes, dtype=torch.uint8, device=k.device)
         else:
@@ -275,17 +283,33 @@ class HostTier:
         # sort and its permutation cost ~25 us per layer at 8 x 250K (H200 run 48); what order across blocks
         # costs is bench_host_gather.py's "blocks" order. The misses' bytes are counted by stats() from the
         # lookup's miss count (the same rows), not by a reduction here.
-        if self.miss_read == "rows":   # the records whole over PCIe, then dequantised from GPU memory
-            m = miss.flatten()
-            self.store.copy_rows(layer, m, rec, max_programs=self.gather_programs)
-            local = torch.where(m >= 0, torch.arange(m.numel(), device=m.device, dtype=torch.int32), -1)
-            host_gather(rec, local, kf, vf, self.store.fmt)
+        if self.miss_read == "rows":   # the records whole over PCIe, dequantised from GPU memory by fill_hits
+            self.store.copy_rows(layer, miss.flatten(), rec, max_programs=self.gather_programs)
         else:
-            self.store.gather(layer, miss.flatten(), kf, vf, raw=rec, count=False, max_programs=self.gather_programs)
+            self.store.gather(layer, miss.flatten(), k.view(B * Np, self.Hkv, self.D),
+                              v.view(B * Np, self.Hkv, self.D), raw=rec, count=False, max_programs=self.gather_programs)
+        return k, v, miss, hit, rec.view(B, Np, -1)
+
+    def fill_hits(self, layer: int, k: torch.Tensor, v: torch.Tensor, miss: torch.Tensor, hit: torch.Tensor,
+                  records: torch.Tensor) -> None:
+        """The GPU half of reading a selection (gather_misses' outputs): the hot-buffer hits (and with miss_read
+        "rows" the misses' records) dequantised into k, v, then the residual keys' base added back."""
+        B, Np = miss.shape
+        kf, vf = k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D)
+        if self.miss_read == "rows":
+            m = miss.flatten()
+            local = torch.where(m >= 0, torch.arange(m.numel(), device=m.device, dtype=torch.int32), -1)
+            host_gather(records.view(B * Np, -1), local, kf, vf, self.store.fmt)
         host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
         if self.key_base is not None:   # rows from host records (misses, hot hits: their keys); resident rows: -1
             self.key_base[layer](kf, miss.flatten(), +1, out=kf, hits=hit.flatten(), pool_slots=self.hot.key[layer])
-        return k, v, miss, rec.view(B, Np, -1)
+
+    def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, state_slots: torch.Tensor, **out):
+        """A whole read on the current stream: gather_misses, then fill_hits -> k, v, miss keys, records."""
+        k, v, miss, hit, rec = self.gather_misses(layer, pos, counts, block_tables, seq_lens, state_slots, **out)
+        self.fill_hits(layer, k, v, miss, hit, rec)
+        return k, v, miss, rec
 
     def admit(self, layer: int, pids, miss: torch.Tensor, records: torch.Tensor, graph: bool = False) -> torch.Tensor:
         """After the step's attention: the misses (gather's miss keys [B, Np] and records [B, Np, row_bytes]) into the
@@ -312,19 +336,35 @@ class HostTier:
         self._pending.append(keep)
 
     @contextlib.contextmanager
-    def reading(self):
-        """Run the enclosed work (one group's reads and attention) on the read stream, after the current stream's
-        work so far (CUDA with read_groups > 1; else where it is). join_reads() brings it back."""
-        if self.read_stream is None:
+    def reading(self, on: bool = True):
+        """Run the enclosed work (one group's PCIe reads: gather_misses) on the read stream, after the current
+        stream's work so far (CUDA with read_groups > 1, and on; else where it is). join_reads() brings it back."""
+        if self.read_stream is None or not on:
             yield
             return
         self.read_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.read_stream):
             yield
 
+    @contextlib.contextmanager
+    def attending(self, on: bool = True):
+        """Run the enclosed work (one group's hits, key base and attention) on the attend stream, after the read
+        stream's work so far (that group's reads), so the next group's reads queued on the read stream go on meanwhile."""
+        if self.read_stream is None or not on:
+            yield
+            return
+        if self.attend_stream is None:   # ATTEND_STREAM off: on the read stream, after the reads
+            with torch.cuda.stream(self.read_stream):
+                yield
+            return
+        self.attend_stream.wait_stream(self.read_stream)
+        with torch.cuda.stream(self.attend_stream):
+            yield
+
     def join_reads(self) -> None:
-        if self.read_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.read_stream)
+        for stream in (self.read_stream, self.attend_stream):
+            if stream is not None:
+                torch.cuda.current_stream().wait_stream(stream)
 
     def join(self) -> None:
         """End of a step: the current stream waits for the work enqueued on the side stream (admits: the next

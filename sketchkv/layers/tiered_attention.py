@@ -12,15 +12,15 @@ tail); K/V rows go to the host tier (sketchkv.kv.host_tier): every forward write
 recent ring.
 
 Decode (every step, any context length: when the selection covers the context the picks are every
-token, so this is also the dense path): select -> tier.gather (sinks and tail from the resident
-rows, picks from the hot buffer or, on a miss, straight from pinned host memory) into a compact K/V
+token, so this is also the dense path): select -> tier.gather_misses + fill_hits (sinks and tail from the
+resident rows, picks from the hot buffer or, on a miss, straight from pinned host memory) into a compact K/V
 scratch -> the paged decode kernel over that scratch -> admit the misses' host records to the hot buffer. Fixed
 shapes and no host sync: CUDA-graph capturable. In a speculative verification step each row of a
 sequence (its token and its drafts) selects and reads for its own position; with one selection per
 sequence (sparse verify_selection=shared) the sequence's rows are read once, for all of them.
 
-With sparse read_groups > 1 (CUDA) a plain decode step does this per group of sequences, each group's reads and
-attention on a second stream while the next group's selection is scored (decode_in_groups).
+With sparse read_groups > 1 (CUDA) a plain decode step does this per group of sequences, each group's reads on a
+second stream while the next group's selection is scored, its attention after them (decode_in_groups).
 
 Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier (or, with
 prefill_selection=chunk, over the rows one selection per chunk picked: only those are read).
@@ -104,41 +104,52 @@ class TieredKV:
         return out
 
     def read_and_attend(self, q, idx, counts, block_tables, seq_lens, state_slots, groups=None, out=None, miss=None,
-                        records=None):
+                        records=None, keep=None):
         """The picks idx [B', 1, N] of the rows the tier reads (resident rows, hot buffer, host misses) into a K/V
         scratch, attended by q (row_groups: see decode) -> output, miss keys [B', Np] and their host records
-        [B', Np, row_bytes]; out / miss / records: where to write them (a group's slices of whole-batch buffers)."""
-        k, v, miss, records = self.tier.gather(self.layer, idx[:, 0], counts if groups is None else counts[groups[1]],
-                                               block_tables, seq_lens, state_slots, miss_out=miss, rec_out=records)
-        B, Np = miss.shape
-        nb = Np // ATTN_BLOCK
-        out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                     v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                     None, counts, self.scale, out=out, row_groups=groups)   # row b: its own nb blocks
+        [B', Np, row_bytes]; out / miss / records: where to write them (a group's slices of whole-batch buffers).
+        keep (a list: decode_in_groups): the PCIe reads go on the tier's read stream, the rest on its attend stream,
+        and the tensors both use are appended to keep, to stay referenced until join_reads."""
+        split = keep is not None
+        with self.tier.reading(split):
+            k, v, miss, hit, records = self.tier.gather_misses(
+                self.layer, idx[:, 0], counts if groups is None else counts[groups[1]], block_tables, seq_lens,
+                state_slots, miss_out=miss, rec_out=records)
+        with self.tier.attending(split):
+            self.tier.fill_hits(self.layer, k, v, miss, hit, records)
+            B, Np = miss.shape
+            nb = Np // ATTN_BLOCK
+            out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
+                                         v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
+                                         None, counts, self.scale, out=out, row_groups=groups)   # row b: its nb blocks
+        if split:
+            keep.append((k, v, hit))
         return out, miss, records
 
     def decode_in_groups(self, parts, q, sq, block_tables, seq_lens, state_slots, pids, max_len, graph):
         """Decode (no verification) with the batch's sequences in `parts` groups: each group's selection is scored on
-        the current stream right after the previous group's, and its rows are read and attended on the tier's read
-        stream as soon as its picks exist, so one group's PCIe reads overlap the next group's scoring. Each group
-        writes its output, miss keys and records into its rows of whole-batch buffers (no concatenation kernels),
-        and one admit after the join takes every group's misses (one CLOCK kernel for the batch, as without groups).
-        The buffers are allocated on the current stream and stay referenced here until the join (then the admit's
-        side stream keeps miss and records), so no allocation of another stream can reuse them early."""
+        the current stream right after the previous group's, its rows are read on the tier's read stream as soon as
+        its picks exist, and its hits and attention run after them (on the tier's attend stream with
+        host_tier.ATTEND_STREAM, so the next group's PCIe reads need not wait for them; else on the read stream), so
+        one group's PCIe reads overlap the next group's scoring. Each group writes its
+        output, miss keys and records into its rows of whole-batch buffers (no concatenation kernels), and one admit
+        after the join takes every group's misses (one CLOCK kernel for the batch, as without groups).
+        The buffers are allocated on the current stream, and what a group's reads allocate is kept here, all
+        referenced until the join (then the admit's side stream keeps miss and records), so no allocation of another
+        stream can reuse them early."""
         B = q.shape[0]
         cuts = [B * i // parts for i in range(parts + 1)]
         out = q.new_empty(q.shape)
         miss = records = None
-        picks = []
+        picks, keep = [], []
         for a, b in zip(cuts, cuts[1:]):
             idx, counts = self.select(sq[a:b], block_tables[a:b], seq_lens[a:b], max_len)
             if miss is None:   # the picks' width depends on max_len only: every group's is the first's
                 Np = -(-idx.shape[-1] // ATTN_BLOCK) * ATTN_BLOCK
                 miss = torch.empty(B, Np, dtype=torch.int64, device=q.device)
                 records = torch.empty(B, Np, self.tier.store.row_bytes, dtype=torch.uint8, device=q.device)
-            with self.tier.reading():
-                self.read_and_attend(q[a:b], idx, counts, block_tables[a:b], seq_lens[a:b], state_slots[a:b],
-                                     out=out[a:b], miss=miss[a:b], records=records[a:b])
+            self.read_and_attend(q[a:b], idx, counts, block_tables[a:b], seq_lens[a:b], state_slots[a:b],
+                                 out=out[a:b], miss=miss[a:b], records=records[a:b], keep=keep)
             picks.append((idx, counts))
         self.tier.join_reads()
         self.last_indices = picks
