@@ -6,7 +6,8 @@
 # default until this run: the read stream does that work), then with it (host_tier.ATTEND_STREAM = True), then bf16
 # (issue 39's ratio in one run); (3) the W4A16 step profiled (kernels per step, gaps); (4) time left: whole-row miss
 # reads, the W4A16 GEMV / graph tests. If the test passes and the step gains, make ATTEND_STREAM True and profile it.
-# run(command="END=560 bash benchmarks/next/run135.sh", carry=[".whl"], timeout_s=595, kind="nvidia-h200")
+# run(command="END=560 bash benchmarks/next/run135.sh", carry=[".whl", ".triton-cache"], timeout_s=595, kind="nvidia-h200")
+# (.triton-cache/cache.tgz: the last run's triton-cache.tgz, if one came back; none yet)
 . benchmarks/next/preamble.sh
 END=${END:-560}
 timeout 100 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_tier_engine.py tests/test_gpu_parity.py \
@@ -25,10 +26,8 @@ STEP_S=100 step w4a16-profile python3 -m sketchkv $B --model $W --profile
 STEP_S=100 step w4a16-rows python3 -m sketchkv $B --model $W --sparse-miss-read rows
 L=$(left $END); [ $L -gt 60 ] && { timeout $((L - 10)) python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short \
   tests/test_ops_w4a16.py -k "gemv_27b or spanning or graph_replay" > $OUT/pytest-w4a16.txt 2>&1; mark pytest-w4a16 $?; }
-tar czf $OUT/r.tgz -C $OUT r && rm -rf $OUT/r
 grep -h -E "PASSED|FAILED|ERROR" $OUT/pytest*.txt 2>/dev/null | sed 's/ *\[.*%\]//' | cut -c1-150; grep -h -E "^E " $OUT/pytest*.txt | head -5
-for f in $OUT/s-*.txt; do echo "$(basename $f): $(grep -E '\] step |kernels|tok/s at|floor' $f | tr -s ' ' | tr '\n' ';' | cut -c1-300)"; done
-cat $OUT/all.log
+finish
 # next, on the same warm machine (run 136): the MTP-7 verification step, and the attend-stream A/B repeated:
 # STEP_S=150 step w4a16-mtp python3 -m sketchkv $B --model $W+mtp --num-speculative-tokens 7 \
 #   --sparse-verify-selection shared --reference-accepted-length 4.06
