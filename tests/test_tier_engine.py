@@ -302,15 +302,15 @@ def test_tier_stats_add_up(ckpt_with_basis):
     llm = _llm(ckpt_with_basis, True, fmt="int4")
     eng, tier = llm.engine, llm.engine.runner.tier
     picks = prefix_rows = 0
-    orig_gather, orig_prefix, orig_rows = tier.gather_misses, tier.read_prefix, tier.read_rows
+    orig_compose, orig_prefix, orig_rows = tier.compose, tier.read_prefix, tier.read_rows
 
-    def gather(layer, pos, counts, block_tables, seq_lens, state_slots, **out):
+    def compose(layer, pos, counts, block_tables, seq_lens, state_slots, **out):
         nonlocal picks
         n = seq_lens.long()[:, None]
         p = pos.long()
         ok = torch.arange(p.shape[1])[None] < counts.long()[:, None]
         picks += int((ok & (p >= 4) & (p < torch.clamp(n - 8, min=4))).sum())
-        return orig_gather(layer, pos, counts, block_tables, seq_lens, state_slots, **out)
+        return orig_compose(layer, pos, counts, block_tables, seq_lens, state_slots, **out)
 
     def read_prefix(layer, block_table, n, dtype):
         nonlocal prefix_rows
@@ -321,7 +321,7 @@ def test_tier_stats_add_up(ckpt_with_basis):
         nonlocal prefix_rows
         prefix_rows += pos.shape[0]
         return orig_rows(layer, block_table, pos, dtype)
-    tier.gather_misses, tier.read_prefix, tier.read_rows = gather, read_prefix, read_rows
+    tier.compose, tier.read_prefix, tier.read_rows = compose, read_prefix, read_rows
     for p in prompts:
         eng.add_request(p, sp)
     seen = {}

@@ -338,7 +338,7 @@ def measure(engine, steps: int) -> dict:
         pairs.append((m, "select", reg.wrap(m.select, "selection")))
     tier = runner.tier
     if tier is not None:
-        pairs += [(tier, "gather_misses", reg.wrap(tier.gather_misses, "tier_gather")),
+        pairs += [(tier, "compose", reg.wrap(tier.compose, "tier_gather")),
                   (tier, "fill_hits", reg.wrap(tier.fill_hits, "tier_gather")),
                   (tier.store, "gather", reg.wrap(tier.store.gather, "pcie_misses")),
                   (tier.store, "copy_rows", reg.wrap(tier.store.copy_rows, "pcie_misses")),

@@ -257,23 +257,25 @@ class HostTier:
             return k
         return self.key_base[layer](k, slots, -1, out=torch.empty(k.shape, dtype=torch.float32, device=k.device))
 
-    def gather_misses(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, state_slots: torch.Tensor, miss_out: torch.Tensor | None = None,
-                      rec_out: torch.Tensor | None = None):
-        """The PCIe half of reading a selection: pos [B, N] selected positions (ascending, SENTINEL-padded; the first
-        counts[b] valid) -> k, v [B, Np, Hkv, D] (Np = N rounded up to ATTN_BLOCK; row j: position pos[b, j]) with
-        the resident rows and the misses read from host memory (miss_read "fields"; "rows": their records only),
-        miss keys [B, Np] (host slot of each row read from host memory, -1 elsewhere: what to admit), hit rows
-        [B, Np] (the hot-buffer row of each hit, -1 elsewhere) and the misses' host records [B, Np, row_bytes].
-        fill_hits completes k, v. miss_out / rec_out: contiguous tensors of those shapes to write into
-        (TieredKV.decode_in_groups: a group's rows of whole-batch buffers)."""
-        B, N = pos.shape
-        Np = -(-N // ATTN_BLOCK) * ATTN_BLOCK
-        k, v, miss, hit = compose_rows(pos, counts, seq_lens, state_slots, block_tables, self.hot.map[layer],
-                                       self.hot.ref[layer], self.res_k[layer], self.res_v[layer],
-                                       self.hot.counters.t, kernel=self.kernel, sinks=self.sinks, recent=self.recent,
-                                       ring=self.ring, width=self.width, block_size=self.block_size,
-                                       dump_row=self.dump_row, Np=Np, miss=miss_out)
+    def compose(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, state_slots: torch.Tensor, miss_out: torch.Tensor | None = None):
+        """Reading a selection, step 1 (GPU memory): pos [B, N] selected positions (ascending, SENTINEL-padded; the
+        first counts[b] valid) -> k, v [B, Np, Hkv, D] (Np = N rounded up to ATTN_BLOCK; row j: position pos[b, j])
+        with the resident rows filled, miss keys [B, Np] (host slot of each row to read from host memory, -1
+        elsewhere: what to admit) and hit rows [B, Np] (the hot-buffer row of each hit, -1 elsewhere). Then
+        read_misses (PCIe) and fill_hits; gather does all three. miss_out: a contiguous [B, Np] tensor to write the
+        miss keys into (TieredKV.decode_in_groups: a group's rows of a whole-batch buffer)."""
+        Np = -(-pos.shape[1] // ATTN_BLOCK) * ATTN_BLOCK
+        return compose_rows(pos, counts, seq_lens, state_slots, block_tables, self.hot.map[layer], self.hot.ref[layer],
+                            self.res_k[layer], self.res_v[layer], self.hot.counters.t, kernel=self.kernel,
+                            sinks=self.sinks, recent=self.recent, ring=self.ring, width=self.width,
+                            block_size=self.block_size, dump_row=self.dump_row, Np=Np, miss=miss_out)
+
+    def read_misses(self, layer: int, k: torch.Tensor, v: torch.Tensor, miss: torch.Tensor,
+                    rec_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 2 (PCIe): the misses read from host memory into k, v (miss_read "fields"; "rows": their records only,
+        dequantised by fill_hits) -> their host records [B, Np, row_bytes] (written into rec_out if given)."""
+        B, Np = miss.shape
         if rec_out is None:
             rec = torch.empty(B * Np, self.store.row_bytes, dtype=torch.uint8, device=k.device)
         else:
@@ -283,17 +285,17 @@ class HostTier:
         # sort and its permutation cost ~25 us per layer at 8 x 250K (H200 run 48); what order across blocks
         # costs is bench_host_gather.py's "blocks" order. The misses' bytes are counted by stats() from the
         # lookup's miss count (the same rows), not by a reduction here.
-        if self.miss_read == "rows":   # the records whole over PCIe, dequantised from GPU memory by fill_hits
+        if self.miss_read == "rows":
             self.store.copy_rows(layer, miss.flatten(), rec, max_programs=self.gather_programs)
         else:
             self.store.gather(layer, miss.flatten(), k.view(B * Np, self.Hkv, self.D),
                               v.view(B * Np, self.Hkv, self.D), raw=rec, count=False, max_programs=self.gather_programs)
-        return k, v, miss, hit, rec.view(B, Np, -1)
+        return rec.view(B, Np, -1)
 
     def fill_hits(self, layer: int, k: torch.Tensor, v: torch.Tensor, miss: torch.Tensor, hit: torch.Tensor,
                   records: torch.Tensor) -> None:
-        """The GPU half of reading a selection (gather_misses' outputs): the hot-buffer hits (and with miss_read
-        "rows" the misses' records) dequantised into k, v, then the residual keys' base added back."""
+        """Step 3 (GPU memory): the hot-buffer hits (and with miss_read "rows" the misses' records) dequantised into
+        k, v, then the residual keys' base added back."""
         B, Np = miss.shape
         kf, vf = k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D)
         if self.miss_read == "rows":
@@ -305,9 +307,12 @@ class HostTier:
             self.key_base[layer](kf, miss.flatten(), +1, out=kf, hits=hit.flatten(), pool_slots=self.hot.key[layer])
 
     def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, state_slots: torch.Tensor, **out):
-        """A whole read on the current stream: gather_misses, then fill_hits -> k, v, miss keys, records."""
-        k, v, miss, hit, rec = self.gather_misses(layer, pos, counts, block_tables, seq_lens, state_slots, **out)
+               seq_lens: torch.Tensor, state_slots: torch.Tensor, miss_out: torch.Tensor | None = None,
+               rec_out: torch.Tensor | None = None):
+        """A whole read of a selection on the current stream (compose, read_misses, fill_hits) -> k, v
+        [B, Np, Hkv, D], miss keys [B, Np] and the misses' host records [B, Np, row_bytes]."""
+        k, v, miss, hit = self.compose(layer, pos, counts, block_tables, seq_lens, state_slots, miss_out)
+        rec = self.read_misses(layer, k, v, miss, rec_out)
         self.fill_hits(layer, k, v, miss, hit, rec)
         return k, v, miss, rec
 
@@ -337,7 +342,7 @@ class HostTier:
 
     @contextlib.contextmanager
     def reading(self, on: bool = True):
-        """Run the enclosed work (one group's PCIe reads: gather_misses) on the read stream, after the current
+        """Run the enclosed work (one group's PCIe reads: read_misses) on the read stream, after the current
         stream's work so far (CUDA with read_groups > 1, and on; else where it is). join_reads() brings it back."""
         if self.read_stream is None or not on:
             yield

@@ -12,7 +12,7 @@ tail); K/V rows go to the host tier (sketchkv.kv.host_tier): every forward write
 recent ring.
 
 Decode (every step, any context length: when the selection covers the context the picks are every
-token, so this is also the dense path): select -> tier.gather_misses + fill_hits (sinks and tail from the
+token, so this is also the dense path): select -> tier.compose, read_misses, fill_hits (sinks and tail from the
 resident rows, picks from the hot buffer or, on a miss, straight from pinned host memory) into a compact K/V
 scratch -> the paged decode kernel over that scratch -> admit the misses' host records to the hot buffer. Fixed
 shapes and no host sync: CUDA-graph capturable. In a speculative verification step each row of a
@@ -108,13 +108,14 @@ class TieredKV:
         """The picks idx [B', 1, N] of the rows the tier reads (resident rows, hot buffer, host misses) into a K/V
         scratch, attended by q (row_groups: see decode) -> output, miss keys [B', Np] and their host records
         [B', Np, row_bytes]; out / miss / records: where to write them (a group's slices of whole-batch buffers).
-        keep (a list: decode_in_groups): the PCIe reads go on the tier's read stream, the rest on its attend stream,
-        and the tensors both use are appended to keep, to stay referenced until join_reads."""
+        keep (a list: decode_in_groups): the PCIe reads go on the tier's read stream and what follows them on its
+        attend stream (see HostTier.attending), and the tensors they share are appended to keep, to stay referenced
+        until join_reads."""
         split = keep is not None
-        with self.tier.reading(split):
-            k, v, miss, hit, records = self.tier.gather_misses(
-                self.layer, idx[:, 0], counts if groups is None else counts[groups[1]], block_tables, seq_lens,
-                state_slots, miss_out=miss, rec_out=records)
+        with self.tier.reading(split):   # (the compose there too: the next group's waits for that group's selection)
+            k, v, miss, hit = self.tier.compose(self.layer, idx[:, 0], counts if groups is None else counts[groups[1]],
+                                                block_tables, seq_lens, state_slots, miss_out=miss)
+            records = self.tier.read_misses(self.layer, k, v, miss, rec_out=records)
         with self.tier.attending(split):
             self.tier.fill_hits(self.layer, k, v, miss, hit, records)
             B, Np = miss.shape
@@ -128,8 +129,8 @@ class TieredKV:
 
     def decode_in_groups(self, parts, q, sq, block_tables, seq_lens, state_slots, pids, max_len, graph):
         """Decode (no verification) with the batch's sequences in `parts` groups: each group's selection is scored on
-        the current stream right after the previous group's, its rows are read on the tier's read stream as soon as
-        its picks exist, and its hits and attention run after them (on the tier's attend stream with
+        the current stream right after the previous group's, its K/V scratch is composed and its misses read on the
+        tier's read stream as soon as its picks exist, and its hits and attention run after them (on the tier's attend stream with
         host_tier.ATTEND_STREAM, so the next group's PCIe reads need not wait for them; else on the read stream), so
         one group's PCIe reads overlap the next group's scoring. Each group writes its
         output, miss keys and records into its rows of whole-batch buffers (no concatenation kernels), and one admit
