@@ -4,8 +4,10 @@
 # them: ~56 us per attention layer, H100 run 134's profile); the one-pass combine in CUDA graphs; the pinned gather.
 # (2) the W4A16 8 x 250K step (the first W4A16 build on a fresh machine takes ~175 s) without the attend stream (the
 # default until this run: the read stream does that work), then with it (host_tier.ATTEND_STREAM = True), then bf16
-# (issue 39's ratio in one run); (3) the W4A16 step profiled (kernels per step, gaps); (4) time left: whole-row miss
-# reads, the W4A16 GEMV / graph tests. If the test passes and the step gains, make ATTEND_STREAM True and profile it.
+# (issue 39's ratio in one run), then the attend stream with the one-pass combine (with the attend stream the next
+# group's selection, not the first group's attention, is what the read stream waits for: a shorter scoring may now
+# pay); (3) the W4A16 step profiled (kernels per step, gaps); (4) time left: whole-row miss reads, the W4A16 GEMV /
+# graph tests. If the test passes and the step gains, make ATTEND_STREAM True and profile it.
 # run(command="END=560 bash benchmarks/next/run135.sh", carry=[".whl", ".triton-cache"], timeout_s=595, kind="nvidia-h200")
 # (.triton-cache/cache.tgz: the last run's triton-cache.tgz, if one came back; none yet)
 . benchmarks/next/preamble.sh
@@ -22,6 +24,7 @@ STEP_S=100 step w4a16-attend python3 -c "$SET" 1 $B --model $W
 STEP_S=150 step bf16 python3 -m sketchkv $B --model random:qwen3.5-27b
 STEP_S=100 step w4a16-2 python3 -m sketchkv $B --model $W
 STEP_S=100 step w4a16-attend-2 python3 -c "$SET" 1 $B --model $W
+STEP_S=100 step w4a16-attend-lse16 python3 -c "$SET" 1 $B --model $W --sparse-softmax-lse-stride 16
 STEP_S=100 step w4a16-profile python3 -m sketchkv $B --model $W --profile
 STEP_S=100 step w4a16-rows python3 -m sketchkv $B --model $W --sparse-miss-read rows
 L=$(left $END); [ $L -gt 60 ] && { timeout $((L - 10)) python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short \
