@@ -5,8 +5,8 @@
 # (seconds left until N s after the start: a step's timeout) and `mark NAME RC` (a line in $OUT/all.log),
 # `step NAME CMD...` (a `sketchkv bench` command with --out-dir $OUT/r/NAME, output in $OUT/r/s-NAME.txt, at most
 # STEP_S s (default 110) and until END s after the start; skipped when under 50 s are left), and `finish` (last:
-# each step's summary line, $OUT/r packed as r.tgz, the Triton cache as triton-cache.tgz when under 16 MiB, the log;
-# the device tool returns at most 8 files). The GPU's name first in the log.
+# each step's summary line, $OUT/r packed as r.tgz, the Triton cache as triton-cache.tgz when under 16 MiB, the
+# log; the device tool returns at most 8 files). The GPU's name first in the log.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p $TRITON_CACHE_DIR; [ -f .triton-cache/cache.tgz ] && tar xzf .triton-cache/cache.tgz -C $TRITON_CACHE_DIR

@@ -354,7 +354,8 @@ class HostTier:
     @contextlib.contextmanager
     def attending(self, on: bool = True):
         """Run the enclosed work (one group's hits, key base and attention) on the attend stream, after the read
-        stream's work so far (that group's reads), so the next group's reads queued on the read stream go on meanwhile."""
+        stream's work so far (that group's reads), so the next group's reads queued on the read stream go on
+        meanwhile (ATTEND_STREAM off: on the read stream; no read stream, or not on: where it is)."""
         if self.read_stream is None or not on:
             yield
             return

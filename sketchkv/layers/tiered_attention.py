@@ -130,11 +130,11 @@ class TieredKV:
     def decode_in_groups(self, parts, q, sq, block_tables, seq_lens, state_slots, pids, max_len, graph):
         """Decode (no verification) with the batch's sequences in `parts` groups: each group's selection is scored on
         the current stream right after the previous group's, its K/V scratch is composed and its misses read on the
-        tier's read stream as soon as its picks exist, and its hits and attention run after them (on the tier's attend stream with
-        host_tier.ATTEND_STREAM, so the next group's PCIe reads need not wait for them; else on the read stream), so
-        one group's PCIe reads overlap the next group's scoring. Each group writes its
-        output, miss keys and records into its rows of whole-batch buffers (no concatenation kernels), and one admit
-        after the join takes every group's misses (one CLOCK kernel for the batch, as without groups).
+        tier's read stream as soon as its picks exist, so one group's PCIe reads overlap the next group's scoring;
+        its hits and attention run after its reads (on the tier's attend stream with host_tier.ATTEND_STREAM, so
+        the next group's reads need not wait for them; else on the read stream). Each group writes its output, miss
+        keys and records into its rows of whole-batch buffers (no concatenation kernels), and one admit after the
+        join takes every group's misses (one CLOCK kernel for the batch, as without groups).
         The buffers are allocated on the current stream, and what a group's reads allocate is kept here, all
         referenced until the join (then the admit's side stream keeps miss and records), so no allocation of another
         stream can reuse them early."""
