@@ -12,7 +12,7 @@ picks a 27B layer's step makes at 8 x 250K (16K rows of 1,088 B, and 131K), in t
     capN     the grid capped at N programs looping over their tiles, as the host tier runs the gather beside the next
              read group's scoring (N = half the SMs: 66 on an H100 / H200): fields with its tile (rows per program,
              warps), and raw. (H100 run 134 also timed each capped program prefetching its next tile, commit
-             c5440a4: 4-7% faster alone, 7% slower inside the step; removed.)
+             c5440a4: 4-7% faster alone; inside the step the gathers took 7% longer and the step 1.5%; removed.)
     1152     raw over 1,152-byte rows (128-byte aligned; reads 1,152 B per row, GB/s counts the 1,088 a row holds)
 
 GB/s = picked row bytes / time, against the H2D copy bandwidth measured in the same run. Every variant is checked

@@ -149,10 +149,10 @@ class ModelRunner:
                 m.prefill_backend = cfg.prefill_attention
         self.sparse_layers = [m for m in self.attn_layers if isinstance(m, SparseAttention)]
         self.tier_layers = [m for m in self.attn_layers if isinstance(m, TieredKV)]
-        if sp.softmax_lse_stride > 1 and sp.head_combine == "softmax" and self.device.type == "cuda" and \
-                any(m.rank % 32 for m in self.sparse_layers):
+        odd = [m.rank for m in self.sparse_layers if m.rank % 32]
+        if sp.softmax_lse_stride > 1 and sp.head_combine == "softmax" and self.device.type == "cuda" and odd:
             raise RequestError(f"sparse_softmax_lse_stride needs a sketch rank that is a multiple of 32 (the dot kernel), "
-                               f"got rank {self.sparse_layers[0].rank}")
+                               f"got rank {odd[0]}")
         sketch_tier = bool(self.tier_layers) and all(isinstance(m, SparseAttention) for m in self.tier_layers)
         self.residual_keys = resolved_host_residual_keys(cfg.sparse, sketch_tier)
         if self.residual_keys and not sketch_tier:
