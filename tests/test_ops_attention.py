@@ -210,6 +210,63 @@ def test_interp_decode_kernel_own_blocks(grouped, nan_empty):
                                atol=1e-4, rtol=1e-4)
 
 
+def key_base_case(B, nb, bs, Hkv, D, r, dtype, device="cpu", seed=0):
+    """The host tier's compact K/V scratch (row b: blocks b * nb ..) holding residual keys (k - sketch base) where a
+    row came from host records (a miss: its slot; a hot hit: its pool row's slot) and whole keys elsewhere (resident
+    rows), with the sketch arrays -> (k residual, v, key_base tuple, k completed in fp32)."""
+    from sketchkv.ops.sketch import sketch_keys_ref
+    from sketchkv.ops.sketch_base import row_slots, sketch_base_ref
+    g = torch.Generator().manual_seed(seed)
+    n_slots, rows = 64 * Hkv, B * nb * bs
+    basis = torch.linalg.qr(torch.randn(Hkv, D, D, generator=g))[0][..., :r].contiguous()
+    mean = torch.randn(Hkv, D, generator=g)
+    sk, sc = sketch_keys_ref(torch.randn(n_slots, Hkv, D, generator=g) * 3 + mean, mean, basis)
+    miss = torch.randint(-1, n_slots, (rows,), generator=g)
+    pool_slots = torch.randint(0, n_slots, (40,), generator=g)
+    pool_slots[-1] = -1                                                   # the pool's dump row
+    hit = torch.where(miss < 0, torch.randint(-1, 40, (rows,), generator=g), -1)
+    base = sketch_base_ref(row_slots(miss, hit, pool_slots), sk, sc, mean, basis)
+    k_full = torch.randn(rows, Hkv, D, generator=g) * 2 + base
+    k_res = (k_full - base).to(dtype)
+    k_done = k_res.float() + base
+    v = torch.randn(rows, Hkv, D, generator=g).to(dtype)
+    to = lambda x: x.to(device)   # noqa: E731
+    kb = tuple(map(to, (miss, hit, pool_slots, sk.contiguous(), sc.contiguous(), mean, basis)))
+    shape = (B * nb, bs, Hkv, D)
+    return to(k_res).view(shape), to(v).view(shape), kb, to(k_done).view(shape)
+
+
+@needs_interp
+@pytest.mark.parametrize("grouped", [False, True])
+def test_interp_decode_kernel_key_base(grouped, nan_empty):
+    """key_base: the residual keys' sketch base added inside the scores == attention over the keys completed first
+    (fp32 reference); resident rows (no slot) unchanged; grouped rows too."""
+    B, nb, bs, Hkv, D, r = 3, 4, 16, 2, 32, 16
+    k, v, kb, k_done = key_base_case(B, nb, bs, Hkv, D, r, torch.float32, seed=5)
+    if grouped:
+        groups, lens = grouped_rows([60, 1, 33], [2, 1, 3])
+    else:
+        groups, lens = None, torch.tensor([60, 1, 33], dtype=torch.int32)
+    q = torch.randn(lens.shape[0], 3 * Hkv, D, generator=torch.Generator().manual_seed(6))
+    kw = dict(block_n=16, min_split_tokens=16, row_groups=groups)
+    out = paged_attention_decode(q, k, v, None, lens, 0.2, key_base=kb, **kw)
+    want = paged_attention_decode(q, k_done, v, None, lens, 0.2, **kw)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert rel_err_rows(paged_attention_decode(q, k, v, None, lens, 0.2, **kw), want) > 1e-2   # the base matters
+
+
+def test_decode_key_base_reference_path():
+    """Without Triton (plain CPU) key_base completes the keys by ops.sketch_base, then the reference."""
+    if pa._INTERPRETED:
+        pytest.skip("the interpreted process dispatches to the kernel")
+    k, v, kb, k_done = key_base_case(2, 2, 16, 2, 32, 8, torch.bfloat16, seed=7)
+    lens = torch.tensor([32, 17], dtype=torch.int32)
+    q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(8)).bfloat16()
+    out = paged_attention_decode(q, k, v, None, lens, 0.2, key_base=kb)
+    want = paged_attention_decode(q, k_done, v.float(), None, lens, 0.2)
+    torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_interpreter_child():
     run_interpreter_tests(__file__, pa._INTERPRETED)
 
@@ -293,6 +350,25 @@ def test_gpu_decode_row_groups_real_sizes():
     out = paged_attention_decode(q, k_cache, v_cache, bt, lens, 256 ** -0.5, row_groups=groups)
     ref = paged_attention_decode_ref(q, k_cache, v_cache, bt[groups[2]], lens, 256 ** -0.5)
     assert rel_err_rows(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_key_base_real_sizes():
+    """The 27B decode shape over the tier's scratch (8 rows x 2,560 picks, 24 / 4 heads x 256, rank 32, bf16 residual
+    keys): the base inside the scores == the keys completed first by the apply_sketch_base kernel (bf16)."""
+    from sketchkv.ops.sketch_base import apply_sketch_base
+    B, nb, bs = 8, 40, 64
+    k, v, kb, k_done = key_base_case(B, nb, bs, 4, 256, 32, torch.bfloat16, device="cuda", seed=9)
+    lens = torch.randint(1500, nb * bs + 1, (B,), generator=torch.Generator().manual_seed(10)).int().cuda()
+    q = torch.randn(B, 24, 256, device="cuda").bfloat16()
+    out = paged_attention_decode(q, k, v, None, lens, 256 ** -0.5, key_base=kb)
+    miss, hit, pool_slots, sk, sc, mean, basis = kb
+    k2 = apply_sketch_base(k.view(-1, 4, 256), miss, sk, sc, mean, basis, +1, hits=hit, pool_slots=pool_slots)
+    two = paged_attention_decode(q, k2.view(k.shape), v, None, lens, 256 ** -0.5)
+    ref = paged_attention_decode(q.float(), k_done, v.float(), None, lens, 256 ** -0.5)
+    assert rel_err_rows(out, ref) < 1e-2 and rel_err_rows(two, ref) < 1e-2
+    assert rel_err_rows(out, two) < 1e-2
 
 
 @pytest.mark.gpu

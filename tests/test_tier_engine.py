@@ -11,6 +11,7 @@ from sketchkv import LLM, SamplingParams
 from sketchkv.errors import CapacityError
 from sketchkv.kv import host_tier
 from sketchkv.kv.host_store import HostKVStore
+from sketchkv.layers import tiered_attention
 from sketchkv.layers.tiered_attention import TieredAttention
 from sketchkv.ops import paged_attention as pa
 from conftest import run_interpreter_tests
@@ -35,11 +36,13 @@ def _gpu_budget(tier, pool_rows: int) -> float:
     return (tier.gpu_bytes - tier.hot.P * tier.hot.row_bytes + pool_rows * tier.hot.row_bytes) / 2**30
 
 
-@pytest.mark.parametrize("residual", [False, True])
-def test_tier_bf16_same_tokens_as_tier_off(ckpt_with_basis, residual):
+@pytest.mark.parametrize("residual,fold", [(False, False), (True, False), (True, True)])
+def test_tier_bf16_same_tokens_as_tier_off(ckpt_with_basis, residual, fold, monkeypatch):
     """Chunked prefill (prefix read back from the tier, or only one selection's rows), mixed steps and sparse
     decode with misses and hits: the same greedy tokens as without the tier. residual: the host K rows hold each
-    key minus its sketch's part, added back on every read (sparse_host_residual_keys)."""
+    key minus its sketch's part, added back on every read (sparse_host_residual_keys); fold: in decode, inside the
+    attention's scores (tiered_attention.KEY_BASE_IN_ATTENTION)."""
+    monkeypatch.setattr(tiered_attention, "KEY_BASE_IN_ATTENTION", fold)
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
     prompts = [_prompt(300, 1), _prompt(90, 2), _prompt(170, 3)]
     for kw in ({"sparse_prefill_selection": "dense"}, {"max_num_batched_tokens": 64, "sparse_prefill_selection": "dense"},
@@ -587,6 +590,33 @@ def test_gpu_tier_engine_matches_tier_off(gpu_ckpt):
     assert res["int4"][0] < 2e-2 and res["int4"][1] >= 0.8, res
     assert res["bf16r"][0] < 1e-3 and res["bf16r"][1] >= 0.95, res
     assert res["int4r"][0] < 2e-2 and res["int4r"][1] >= 0.8, res
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_key_base_in_attention_same_logits(gpu_ckpt, monkeypatch):
+    """int4 host rows with residual keys, read groups 2, decode graphs: the keys' sketch base added inside the decode
+    kernel's scores (tiered_attention.KEY_BASE_IN_ATTENTION) gives the log-probabilities of the base rewritten into
+    the K scratch (fp32 model: only the base's rounding differs, ieee fp32 against the rewrite's tf32 dot)."""
+    import gc
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6000, 3000, 900)]
+    conts = [torch.randint(3, 500, (64,), generator=g).tolist() for _ in prompts]
+    got = {}
+    for fold in (False, True):
+        monkeypatch.setattr(tiered_attention, "KEY_BASE_IN_ATTENTION", fold)
+        llm = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(gpu_ckpt, **GPU_OPTS, dtype="float32", sparse_host_tier=True, sparse_host_format="int4",
+                  sparse_read_groups=2)
+        assert llm.engine.runner.graphs and llm.engine.runner.tier.key_base is not None
+        got[fold] = llm.teacher_force(prompts, conts)
+        s = llm.tier_stats()
+        assert s.hits > 0 and s.misses > 0
+    kl = torch.cat([(a.exp() * (a - b)).sum(-1) for a, b in zip(got[False], got[True])]).mean().item()
+    agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(got[False], got[True])]).mean().item()
+    assert kl < 1e-4 and agree >= 0.98, (kl, agree)
 
 
 @pytest.mark.gpu

@@ -78,8 +78,11 @@ class SparseAttention(Attention):
         """x [N, Hkv, D] +/- what the sketches at cache slots [N] rebuild of their keys (mean + basis x dequantised
         coefficients; rows without a slot unchanged; hits / pool_slots: see ops.sketch_base.row_slots). The host
         tier's residual keys (sparse host_residual_keys) store k - that (sign -1) and add it back when read (+1)."""
-        return apply_sketch_base(x, slots, self.sketch, self.sketch_scale, self.mean, self.basis, sign, out,
-                                 hits, pool_slots)
+        return apply_sketch_base(x, slots, *self.sketch_base_args(), sign, out, hits, pool_slots)
+
+    def sketch_base_args(self) -> tuple:
+        """(sketch, scale, mean, basis): what the decode kernel takes to add the keys' sketch base to its scores."""
+        return self.sketch, self.sketch_scale, self.mean, self.basis
 
     @property
     def dense_layer(self) -> bool:

@@ -33,6 +33,12 @@ from sketchkv.layers.indexed_attention import IndexedAttention
 from sketchkv.layers.sparse_attention import SparseAttention
 from sketchkv.ops.paged_attention import paged_attention_decode
 
+# The residual keys' base (sparse host_residual_keys) added inside the decode kernel's scores (q . mean +
+# (basis^T q) . coefficients per row read from host records) instead of rewritten into the K scratch by one
+# apply_sketch_base kernel per read (2 per layer and step with read groups: ~17 us each at 8 x 250K, H100 run
+# 134's profile). Off until a GPU run times it (benchmarks/next/).
+KEY_BASE_IN_ATTENTION = False
+
 
 def plain_decode(ctx) -> bool:
     """One new token per sequence and no drafts: the step reads none of its own tokens from the host rows (they
@@ -116,13 +122,16 @@ class TieredKV:
             k, v, miss, hit = self.tier.compose(self.layer, idx[:, 0], counts if groups is None else counts[groups[1]],
                                                 block_tables, seq_lens, state_slots, miss_out=miss)
             records = self.tier.read_misses(self.layer, k, v, miss, rec_out=records)
+        fold = KEY_BASE_IN_ATTENTION and self.tier.key_base is not None
         with self.tier.attending(split):
-            self.tier.fill_hits(self.layer, k, v, miss, hit, records)
+            self.tier.fill_hits(self.layer, k, v, miss, hit, records, key_base=not fold)
             B, Np = miss.shape
             nb = Np // ATTN_BLOCK
+            kb = (miss.view(-1), hit.view(-1), self.tier.hot.key[self.layer], *self.sketch_base_args()) if fold else None
             out = paged_attention_decode(q, k.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
                                          v.view(B * nb, ATTN_BLOCK, self.num_kv_heads, self.head_dim),
-                                         None, counts, self.scale, out=out, row_groups=groups)   # row b: its nb blocks
+                                         None, counts, self.scale, out=out, row_groups=groups,
+                                         key_base=kb)   # row b: its nb blocks
         if split:
             keep.append((k, v, hit))
         return out, miss, records

@@ -84,10 +84,11 @@ if triton is not None:
         stride_kn, stride_kt, stride_kh,
         stride_vn, stride_vt, stride_vh,
         stride_btb, stride_ib, stride_ih,
+        miss_ptr, hit_ptr, pool_slot_ptr, sk_ptr, sc_ptr, mean_ptr, basis_ptr,
         G: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, MIN_TILES: tl.constexpr,
         UPCAST: tl.constexpr, INDEXED: tl.constexpr, QR: tl.constexpr, GROUPED: tl.constexpr,
-        OWN_BLOCKS: tl.constexpr = False,
+        OWN_BLOCKS: tl.constexpr = False, KEY_BASE: tl.constexpr = False, R: tl.constexpr = 16,
     ):
         # GROUPED: program (group b, kv head, split) serves the up to QR query rows first[b]..last[b] that
         # attend to prefixes of one token list (block table / index row b): row r to its first seq_lens[r]
@@ -121,6 +122,12 @@ if triton is not None:
             cnt = tl.load(lens_ptr + row, mask=gmask, other=0)
         if UPCAST:  # interpreter: numpy has no bf16 matmul
             q = q.to(tl.float32)
+        if KEY_BASE:  # the keys' sketch base in the scores: q . (mean + basis c) = q . mean + (basis^T q) . c
+            offs_r = tl.arange(0, R)
+            qf = q.to(tl.float32)
+            qm = tl.sum(qf * tl.load(mean_ptr + kvh * D + offs_d)[None, :], 1)                       # [M]
+            qt = tl.dot(qf, tl.load(basis_ptr + kvh * D * R + offs_d[:, None] * R + offs_r[None, :]),
+                        input_precision="ieee")                                                      # [M, R]
 
         m_i = tl.full([M_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([M_PAD], tl.float32)
@@ -145,7 +152,22 @@ if triton is not None:
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain (scale * log2(e) folded in)
+            qk = tl.dot(q, tl.trans(k))
+            if KEY_BASE:   # rows read from host records (misses, hot hits) hold k - base; resident rows hold k
+                crow = blk * BLOCK_SIZE + off   # the cache row (flat)
+                slot = tl.load(miss_ptr + crow, mask=tmask, other=-1)
+                hit = tl.load(hit_ptr + crow, mask=tmask & (slot < 0), other=-1)
+                slot = tl.where(slot >= 0, slot, tl.load(pool_slot_ptr + tl.maximum(hit, 0), mask=hit >= 0,
+                                                         other=-1))
+                has = slot >= 0
+                sk = tl.maximum(slot, 0).to(tl.int64) * tl.num_programs(1) + kvh
+                packed = tl.load(sk_ptr + sk[:, None] * (R // 2) + tl.arange(0, R // 2)[None, :], mask=has[:, None],
+                                 other=0).to(tl.int32)
+                coeff = tl.reshape(tl.join((packed & 15) - 8, (packed >> 4) - 8), (BLOCK_N, R)).to(tl.float32)
+                coeff = coeff * tl.load(sc_ptr + sk, mask=has, other=0.0).to(tl.float32)[:, None]
+                base = tl.dot(qt, tl.trans(coeff), input_precision="ieee") + qm[:, None]
+                qk += tl.where(has[None, :], base, 0.0)
+            qk = qk * qk_scale  # log2 domain (scale * log2(e) folded in)
             if GROUPED:  # a row past its own count sees nothing of this tile: keep its max finite
                 qk = tl.where(tmask[None, :] & (t[None, :] < cnt[:, None]), qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -218,7 +240,8 @@ def _wave(device):
 
 def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None,
                                   max_splits=None, split_target=None, min_split_tokens=128,
-                                  block_n=None, num_warps=None, num_stages=2, indices=None, row_groups=None):
+                                  block_n=None, num_warps=None, num_stages=2, indices=None, row_groups=None,
+                                  key_base=None):
     """max_splits: most splits one sequence may use (the grid's 3rd dim). split_target: splits over
     the whole batch per kv head, sized so all programs fit one wave (a partial second wave nearly
     doubles the time). min_split_tokens: shorter splits cost more in the merge than they gain.
@@ -231,7 +254,11 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     seq_lens[r] tokens of its group's list, the last row of a group to the most), and each K/V tile is
     read once per group. block_tables None: row (or group) b's blocks are b * nb .. b * nb + nb - 1 with
     nb = the cache's blocks / B (a scratch laid out row after row: the host tier's compact rows; no table to
-    build each step)."""
+    build each step).
+    key_base (miss, hit, pool_slots, sketch, scale, mean, basis): the host tier's residual keys (k - base, see
+    ops/sketch_base.py) completed inside the scores instead of rewritten: cache row j (flat: block * block_size +
+    offset) has the slot miss[j], else pool_slots[hit[j]] where hit[j] >= 0, else none (a whole key, unchanged);
+    with a slot the score adds q . mean + (basis^T q) . coefficients(slot), in fp32."""
     R, Hq, D = q.shape
     firsts, lasts, group, most_rows = row_groups if row_groups is not None else (seq_lens, seq_lens, seq_lens, 1)
     B = firsts.shape[0] if row_groups is not None else R   # programs' sequences: groups, or rows
@@ -271,16 +298,25 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     idx = indices if indices is not None else seq_lens  # dummy pointer when dense
     stride_ib = indices.stride(0) if indices is not None else 0
     stride_ih = indices.stride(1) if indices is not None and indices.shape[1] > 1 else 0
+    if key_base is not None:   # (rank, not R: R is the query rows)
+        miss, hit, pool_slots, sketch, sk_scale, mean, basis = key_base
+        rank = basis.shape[-1]
+        assert rank >= 16 and rank & (rank - 1) == 0 and basis.shape == (Hkv, D, rank) and mean.shape == (Hkv, D)
+        assert basis.dtype == mean.dtype == torch.float32 and basis.is_contiguous() and mean.is_contiguous()
+        assert sketch.is_contiguous() and sk_scale.is_contiguous() and miss.is_contiguous() and hit.is_contiguous()
+    else:
+        rank, key_base = 16, (None,) * 7
     _decode_split_kernel[(B, Hkv, max_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, idx, firsts, lasts,
         scale * 1.4426950408889634, B, max_splits, split_target,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.shape[1] if own else block_tables.stride(0), stride_ib, stride_ih,
+        block_tables.shape[1] if own else block_tables.stride(0), stride_ib, stride_ih, *key_base,
         G=G, M_PAD=m_pad, D=D,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, B_PAD=B_PAD, MIN_TILES=min_tiles, UPCAST=_INTERPRETED,
         INDEXED=indices is not None, QR=most_rows, GROUPED=row_groups is not None, OWN_BLOCKS=own,
+        KEY_BASE=key_base[0] is not None, R=rank,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(R, Hq)](
@@ -297,12 +333,22 @@ def expand_row_groups(table, row_groups):
     return table[row_groups[2]]
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, row_groups=None, **kw):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, row_groups=None,
+                           key_base=None, **kw):
     """Decode attention, q [B, Hq, D] -> [B, Hq, D]. Triton on CUDA or under TRITON_INTERPRET=1
-    (kw: the kernel's tuning knobs, see paged_attention_decode_triton); the reference otherwise."""
+    (kw: the kernel's tuning knobs, see paged_attention_decode_triton); the reference otherwise (key_base: the
+    keys completed by ops.sketch_base first, in fp32)."""
     if q.is_cuda or (_INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"):
         return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-                                             row_groups=row_groups, **kw)
+                                             row_groups=row_groups, key_base=key_base, **kw)
+    if key_base is not None:
+        from sketchkv.ops.sketch_base import apply_sketch_base
+        miss, hit, pool_slots, sketch, sk_scale, mean, basis = key_base
+        kf = k_cache.reshape(-1, *k_cache.shape[2:])
+        kf = apply_sketch_base(kf, miss, sketch, sk_scale, mean, basis, +1,
+                               out=torch.empty(kf.shape, dtype=torch.float32, device=kf.device),
+                               hits=hit, pool_slots=pool_slots)
+        k_cache, v_cache = kf.view(k_cache.shape), v_cache.float()
     if block_tables is None:   # row (group) b's own blocks, see paged_attention_decode_triton
         B = row_groups[0].shape[0] if row_groups is not None else q.shape[0]
         nb = k_cache.shape[0] // B
