@@ -12,7 +12,7 @@
 # (.triton-cache/cache.tgz: the last run's triton-cache.tgz, if one came back; none yet)
 . benchmarks/next/preamble.sh
 END=${END:-540}
-timeout 90 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_ops_attention.py tests/test_tier_engine.py \
+timeout ${PYT_S:-90} python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_ops_attention.py tests/test_tier_engine.py \
   -k "key_base or read_groups_same_tokens" > $OUT/pytest.txt 2>&1
 mark pytest $?
 B="bench step --fill random --sparse-host-format int4 --agents 8 --context 250K --steps 12 --model random:qwen3.5-27b"
