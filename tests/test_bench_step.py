@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sketchkv.bench.breakdown import busy_us, kernel_summary, profile_steps, split_steps, step_timeline
+from sketchkv.bench.breakdown import (attention_layers, busy_us, kernel_summary, profile_steps, split_steps,
+                                      step_timeline)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--sparse-top-k", "128", "--sparse-sink-tokens", "16", "--sparse-recent-tokens", "128", "--hbm-gib", "0.05",
@@ -99,6 +100,27 @@ def test_step_timeline_separates_the_graph_replay():
     assert "graph" not in step_timeline([s[:4] for s in spans])["totals"]   # spans without the flag
 
 
+def test_attention_layers_split_each_layer_at_its_reads():
+    """Each attention layer (rotary kernel to its last attention kernel): the lead before its first host gather,
+    the gathers' busy time and the idle time between them, the tail after the last; a GDN layer between two attention
+    layers and an attention layer without host gathers (no tier) add nothing."""
+    g = lambda a, b: (0, a, b, "_host_gather_kernel")   # noqa: E731
+    spans = [(1, 0, 2, "_rotary_kernel"), (1, 5, 100, "_sketch_score_dot_kernel"), (1, 100, 120, "_compact_kernel"),
+             g(130, 300), (1, 150, 250, "_sketch_score_dot_kernel"), g(300, 310), g(320, 500),
+             (0, 500, 530, "_decode_split_kernel"), (0, 530, 540, "_decode_reduce_kernel"),
+             (1, 541, 700, "nvjet_gemm"), (1, 700, 720, "_gdn_rows_kernel"),            # the GDN layers after it
+             (1, 1000, 1002, "_rotary_kernel"), (1, 1010, 1050, "_sketch_score_dot_kernel"), g(1060, 1160),
+             (0, 1160, 1180, "_decode_split_kernel"), (1, 1200, 1300, "nvjet_gemm"),
+             (1, 2000, 2002, "_rotary_kernel"), (1, 2005, 2050, "_decode_split_kernel")]   # dense: no reads
+    a = attention_layers(step_timeline(spans)["kernels"])
+    assert a["layers"] == [{"lead_us": 130, "pcie_busy_us": 360, "pcie_idle_us": 10, "tail_us": 40, "layer_us": 540},
+                           {"lead_us": 60, "pcie_busy_us": 100, "pcie_idle_us": 0, "tail_us": 20, "layer_us": 180}]
+    assert a["mean_us"]["lead_us"] == 95 and a["sum_ms"]["layer_us"] == pytest.approx(0.72)
+    for x in a["layers"]:
+        assert x["lead_us"] + x["pcie_busy_us"] + x["pcie_idle_us"] + x["tail_us"] == x["layer_us"]
+    assert attention_layers(step_timeline(spans[-2:])["kernels"]) == {}
+
+
 def test_step_timeline_sums_on_random_spans():
     """On any spans: the gaps add up to span - busy, the kernel times to the kernel sum, the kinds to the count."""
     rng = random.Random()
@@ -182,7 +204,12 @@ def test_report_of_a_kernel_timeline(tmp_path):
     assert "spent 0.215 ms outside the graph" in md
     assert json.load(open(paths["json"]))["profile"]["timeline"]["totals"]["kernels"] == 31
     out = step.table(r)
-    assert "kernels / step" in out and "31" in out and "50.0%" in out
+    assert "kernels / step" in out and "31" in out and "50.0%" in out and "attention layers" not in out
+    layer = {"lead_us": 130.0, "pcie_busy_us": 360.0, "pcie_idle_us": 10.0, "tail_us": 40.0, "layer_us": 540.0}
+    r["profile"]["attention_layers"] = {"layers": [layer], "mean_us": layer,
+                                        "sum_ms": {k: v / 1e3 for k, v in layer.items()}}
+    assert "| mean us per layer | 130.0 | 360.0 | 10.0 | 40.0 | 540.0 |" in step.markdown(r)
+    assert "0.13 / 0.36 / 0.01 / 0.04 = 0.54" in step.table(r)
 
 
 @pytest.fixture(scope="module")

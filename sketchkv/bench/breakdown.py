@@ -286,6 +286,35 @@ def step_timeline(spans, window: tuple | None = None, top_gaps: int = 20, launch
             "gap_ms_before_kind": dict(sorted(gap_kind.items(), key=lambda kv: -kv[1]))}
 
 
+def attention_layers(kernels: list[dict]) -> dict:
+    """A step's timeline kernels (step_timeline's, in start order) -> each host-tier attention layer's critical
+    section, from its rotary kernel (the layer's queries and keys are ready) to its last attention kernel's end:
+    lead_us (before the first host gather starts: the first read group's selection; PCIe idle), pcie_busy_us (host
+    gather kernels running: the misses over PCIe and the hot hits' short gathers), pcie_idle_us (inside the span from
+    the first gather's start to the last one's end, none running: the read groups' composes, waiting for a
+    selection), tail_us (after the last gather ends: the last group's key base and attention) and layer_us (= the
+    four). Means over the layers, and sums in ms per step. Empty where the step has no host gathers (no tier)."""
+    starts = [i for i, k in enumerate(kernels) if "rotary" in k["name"]]
+    layers = []
+    for i, j in zip(starts, starts[1:] + [len(kernels)]):
+        ks = kernels[i:j]
+        t0 = ks[0]["start_us"]
+        pcie = [(k["start_us"], k["start_us"] + k["us"]) for k in ks if k["kind"] == "host gather (PCIe)"]
+        att = [k["start_us"] + k["us"] for k in ks if k["kind"] == "attention"]
+        if not pcie or not att:
+            continue
+        g0, g1 = min(a for a, _ in pcie), max(b for _, b in pcie)
+        end = max(att)
+        busy = busy_us(pcie)
+        layers.append({"lead_us": g0 - t0, "pcie_busy_us": busy, "pcie_idle_us": g1 - g0 - busy,
+                       "tail_us": max(0.0, end - g1), "layer_us": max(end, g1) - t0})
+    if not layers:
+        return {}
+    keys = list(layers[0])
+    return {"layers": layers, "mean_us": {k: sum(x[k] for x in layers) / len(layers) for k in keys},
+            "sum_ms": {k: sum(x[k] for x in layers) / 1e3 for k in keys}}
+
+
 def busy_us(spans) -> float:
     """Length of the union of (start, end) intervals: time at least one of them runs."""
     total, end = 0.0, float("-inf")

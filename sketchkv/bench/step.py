@@ -177,6 +177,7 @@ def run(args) -> dict:
             profile = {"method": "torch.profiler over CUDA-graph decode steps (each step between device syncs)"
                        if runner.graphs else "torch.profiler over eager decode steps (no CUDA graphs)",
                        "steps": p["steps"], "step": pick, "timeline": per[pick], "step_ms_mean": decode["step_ms_mean"],
+                       "attention_layers": BD.attention_layers(per[pick]["kernels"]),
                        "per_step": [t["totals"] for t in per], "mean": BD.kernel_summary(p["spans"], p["steps"])}
         elif args.profile:
             log(f"no CUDA device: timed regions over {args.steps} eager steps instead of a kernel timeline")
@@ -288,7 +289,7 @@ def _timeline_md(p: dict, png: str) -> list[str]:
          f"{t.get('tail_ms', float('nan')):.3f} | {t.get('launch_ms', float('nan')):.3f} | {t['streams']} | "
          f"{t['main_stream']['kernels']}, "
          f"{t['main_stream']['busy_ms']:.3f}, {t['main_stream']['gap_ms']:.3f} |", "",
-         *_graph_md(p),
+         *_graph_md(p), *_attention_layers_md(p.get("attention_layers")),
          "By kind (this step; gaps before = idle time before that kind's kernels):", "",
          "| kind | ms | count | share of kernel time | gaps before ms |", "|---|---|---|---|---|"]
     gk = tl["gap_ms_before_kind"]
@@ -318,6 +319,21 @@ def _timeline_md(p: dict, png: str) -> list[str]:
     if png:
         L += ["", f"![the step's kernels along time, by kind]({png})"]
     return L
+
+
+def _attention_layers_md(a: dict | None) -> list[str]:
+    """The host-tier attention layers' critical sections (breakdown.attention_layers)."""
+    if not a:
+        return []
+    m, t = a["mean_us"], a["sum_ms"]
+    cols = ("lead_us", "pcie_busy_us", "pcie_idle_us", "tail_us", "layer_us")
+    return [f"The {len(a['layers'])} attention layers, each from its rotary kernel to its last attention kernel: lead "
+            "(before the first host gather: the first read group's selection, PCIe idle), PCIe busy (host gathers "
+            "running), PCIe idle inside the reads (composes, waits for the next group's selection), tail (after the "
+            "last gather: key base, attention) (`profile.attention_layers`):", "",
+            "| | lead | PCIe busy | PCIe idle between reads | tail | layer |", "|---|---|---|---|---|---|",
+            "| mean us per layer | " + " | ".join(f"{m[c]:.1f}" for c in cols) + " |",
+            "| ms per step | " + " | ".join(f"{t[c]:.3f}" for c in cols) + " |", ""]
 
 
 def _graph_md(p: dict) -> list[str]:
@@ -351,6 +367,11 @@ def table(r: dict) -> str:
                   (f"; in the graph {g['gap_ms']:.3f} ({g['gaps']}) of its {g['span_ms']:.3f} ms span" if g else "")),
                  ("span / host / host in graph launch ms", f"{t['span_ms']:.3f} / {t.get('host_ms', float('nan')):.3f}"
                   f" / {t.get('launch_ms', float('nan')):.3f}")]
+        a = p.get("attention_layers")
+        if a:
+            rows.append(("attention layers ms: lead / PCIe / idle / tail = sum",
+                         " / ".join(f"{a['sum_ms'][c]:.2f}" for c in ("lead_us", "pcie_busy_us", "pcie_idle_us",
+                                                                        "tail_us")) + f" = {a['sum_ms']['layer_us']:.2f}"))
         rows += [(f"  {k}", f"{v['ms']:.3f} ms, {v['count']} kernels")
                  for k, v in list(p["timeline"]["by_kind"].items())[:8]]
     elif p:
