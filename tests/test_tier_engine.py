@@ -104,7 +104,9 @@ def test_tier_topk_ge_context_equals_dense(ckpt_with_basis):
 def test_tier_decode_in_groups_same_tokens(ckpt_with_basis, monkeypatch):
     """sparse_read_groups: a decode step's sequences in groups (on CUDA each group's reads overlap the next group's
     scoring; here the same calls in order): the same tokens, log-probabilities, picks and hot-buffer hits and
-    misses as one group, and the grouped path really ran (3 sequences in 2 groups)."""
+    misses as one group, and the grouped path really ran (3 sequences in 2 groups); also with each group's compose
+    before its reads on the current stream (host_tier.COMPOSE_ON_READ_STREAM False) and with the residual keys' base
+    inside the attention's scores (tiered_attention.KEY_BASE_IN_ATTENTION)."""
     calls = []
     grouped = TieredAttention.decode_in_groups
     monkeypatch.setattr(TieredAttention, "decode_in_groups", lambda self, parts, *a: calls.append(parts) or
@@ -112,18 +114,23 @@ def test_tier_decode_in_groups_same_tokens(ckpt_with_basis, monkeypatch):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     prompts = [_prompt(300, 11), _prompt(90, 12), _prompt(170, 13)]
     out = {}
-    for groups in (1, 2):
+    for groups, compose_read, fold in ((1, True, False), (2, True, False), (2, False, False), (2, False, True)):
+        monkeypatch.setattr(host_tier, "COMPOSE_ON_READ_STREAM", compose_read)
+        monkeypatch.setattr(tiered_attention, "KEY_BASE_IN_ATTENTION", fold)
         llm = _llm(ckpt_with_basis, True, fmt="int4")
+        assert llm.engine.runner.tier.key_base is not None   # int4 rows: residual keys
         llm.engine.runner.tier.read_groups = groups   # the runner keeps 1 on CPU (no second stream to overlap)
         res = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
         s = llm.tier_stats()
-        out[groups] = ([o.token_ids for o in res], [o.logprobs for o in res], s.hits, s.misses,
-                       llm.engine.runner.tier_layers[0].last_indices[1].tolist())
+        out[groups, compose_read, fold] = ([o.token_ids for o in res], [o.logprobs for o in res], s.hits, s.misses,
+                                           llm.engine.runner.tier_layers[0].last_indices[1].tolist())
         assert s.hits > 0 and s.misses > 0
     assert calls and set(calls) == {2}
-    assert out[1][0] == out[2][0] and out[1][2:] == out[2][2:]
-    for a, b in zip(out[1][1], out[2][1]):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    one = out[1, True, False]
+    for key, got in out.items():
+        assert got[0] == one[0] and got[2:] == one[2:], key
+        for a, b in zip(one[1], got[1]):   # the fold's keys stay fp32 (no bf16 scratch here: an fp32 model)
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, key
 
 
 @pytest.mark.parametrize("fmt", ["int4", "k8v4"])
@@ -681,15 +688,16 @@ def test_gpu_admit_stream_same_tokens_and_hits(gpu_ckpt):
 def test_gpu_read_groups_same_tokens_and_hits(gpu_ckpt, monkeypatch):
     """sparse_read_groups=3 (each group's host reads on the read stream, overlapping the next group's scoring; its
     hits and attention after them on the read stream, or on the attend stream, overlapping the next group's reads;
-    inside the decode CUDA graphs) against one group, fp32 (the decode kernel's splits follow the batch size): the
+    its compose on the read stream or on the main stream; inside the decode CUDA graphs) against one group, fp32 (the decode kernel's splits follow the batch size): the
     same greedy tokens and hot-buffer hits and misses."""
     import gc
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6000, 4000, 2500, 900)]
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     out = {}
-    for groups, attend in ((1, False), (3, False), (3, True)):
+    for groups, attend, compose_read in ((1, False, True), (3, False, True), (3, True, True), (3, True, False)):
         monkeypatch.setattr(host_tier, "ATTEND_STREAM", attend)
+        monkeypatch.setattr(host_tier, "COMPOSE_ON_READ_STREAM", compose_read)
         llm = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -700,9 +708,9 @@ def test_gpu_read_groups_same_tokens_and_hits(gpu_ckpt, monkeypatch):
         assert (tier.attend_stream is not None) == attend
         toks = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
         s = llm.tier_stats()
-        out[groups, attend] = (toks, s.hits, s.misses)
+        out[groups, attend, compose_read] = (toks, s.hits, s.misses)
         assert s.hits > 0 and s.misses > 0
-    assert out[1, False] == out[3, False] == out[3, True]
+    assert out[1, False, True] == out[3, False, True] == out[3, True, True] == out[3, True, False]
 
 
 @pytest.mark.gpu

@@ -77,6 +77,11 @@ READ_STREAM_PRIORITY = -1
 # Read groups: a group's hits, key base and attention on their own stream (HostTier.attending; False: on the read
 # stream after its reads). Built in session 44 without a GPU: off until run 135 tests and times it.
 ATTEND_STREAM = False
+# Read groups: a group's compose (scratch, hit / miss lists; GPU memory, ~18 us for 4 agents at 27B x 250K) on the
+# main stream right after its selection (False), instead of on the read stream before its gather (True): PCIe then
+# idles only for launch gaps between two groups' gathers, where the compose between them cost ~18 us each (H100
+# run 134), while the next group's selection starts that much later. Session 45, CPU only: run 135 times it.
+COMPOSE_ON_READ_STREAM = True
 
 
 class HostTier:

@@ -28,6 +28,7 @@ prefill_selection=chunk, over the rows one selection per chunk picked: only thos
 import torch
 
 from sketchkv.engine.context import get_context
+from sketchkv.kv import host_tier
 from sketchkv.kv.host_tier import ATTN_BLOCK
 from sketchkv.layers.indexed_attention import IndexedAttention
 from sketchkv.layers.sparse_attention import SparseAttention
@@ -118,9 +119,12 @@ class TieredKV:
         attend stream (see HostTier.attending), and the tensors they share are appended to keep, to stay referenced
         until join_reads."""
         split = keep is not None
-        with self.tier.reading(split):   # (the compose there too: the next group's waits for that group's selection)
+        # the compose on the read stream (the next group's selection need not wait for it) or, with
+        # host_tier.COMPOSE_ON_READ_STREAM False, before it on this one (the reads then wait for nothing but PCIe)
+        with self.tier.reading(split and host_tier.COMPOSE_ON_READ_STREAM):
             k, v, miss, hit = self.tier.compose(self.layer, idx[:, 0], counts if groups is None else counts[groups[1]],
                                                 block_tables, seq_lens, state_slots, miss_out=miss)
+        with self.tier.reading(split):
             records = self.tier.read_misses(self.layer, k, v, miss, rec_out=records)
         fold = KEY_BASE_IN_ATTENTION and self.tier.key_base is not None
         with self.tier.attending(split):
