@@ -113,11 +113,11 @@ def test_attention_layers_split_each_layer_at_its_reads():
              (0, 1160, 1180, "_decode_split_kernel"), (1, 1200, 1300, "nvjet_gemm"),
              (1, 2000, 2002, "_rotary_kernel"), (1, 2005, 2050, "_decode_split_kernel")]   # dense: no reads
     a = attention_layers(step_timeline(spans)["kernels"])
-    assert a["layers"] == [{"lead_us": 130, "pcie_busy_us": 360, "pcie_idle_us": 10, "tail_us": 40, "layer_us": 540},
-                           {"lead_us": 60, "pcie_busy_us": 100, "pcie_idle_us": 0, "tail_us": 20, "layer_us": 180}]
-    assert a["mean_us"]["lead_us"] == 95 and a["sum_ms"]["layer_us"] == pytest.approx(0.72)
+    assert a["layers"] == [{"lead": 130, "pcie_busy": 360, "pcie_idle": 10, "tail": 40, "layer": 540},
+                           {"lead": 60, "pcie_busy": 100, "pcie_idle": 0, "tail": 20, "layer": 180}]
+    assert a["mean_us"]["lead"] == 95 and a["sum_ms"]["layer"] == pytest.approx(0.72)
     for x in a["layers"]:
-        assert x["lead_us"] + x["pcie_busy_us"] + x["pcie_idle_us"] + x["tail_us"] == x["layer_us"]
+        assert x["lead"] + x["pcie_busy"] + x["pcie_idle"] + x["tail"] == x["layer"]
     assert attention_layers(step_timeline(spans[-2:])["kernels"]) == {}
 
 
@@ -205,7 +205,7 @@ def test_report_of_a_kernel_timeline(tmp_path):
     assert json.load(open(paths["json"]))["profile"]["timeline"]["totals"]["kernels"] == 31
     out = step.table(r)
     assert "kernels / step" in out and "31" in out and "50.0%" in out and "attention layers" not in out
-    layer = {"lead_us": 130.0, "pcie_busy_us": 360.0, "pcie_idle_us": 10.0, "tail_us": 40.0, "layer_us": 540.0}
+    layer = {"lead": 130.0, "pcie_busy": 360.0, "pcie_idle": 10.0, "tail": 40.0, "layer": 540.0}
     r["profile"]["attention_layers"] = {"layers": [layer], "mean_us": layer,
                                         "sum_ms": {k: v / 1e3 for k, v in layer.items()}}
     assert "| mean us per layer | 130.0 | 360.0 | 10.0 | 40.0 | 540.0 |" in step.markdown(r)

@@ -288,12 +288,12 @@ def step_timeline(spans, window: tuple | None = None, top_gaps: int = 20, launch
 
 def attention_layers(kernels: list[dict]) -> dict:
     """A step's timeline kernels (step_timeline's, in start order) -> each host-tier attention layer's critical
-    section, from its rotary kernel (the layer's queries and keys are ready) to its last attention kernel's end:
-    lead_us (before the first host gather starts: the first read group's selection; PCIe idle), pcie_busy_us (host
-    gather kernels running: the misses over PCIe and the hot hits' short gathers), pcie_idle_us (inside the span from
-    the first gather's start to the last one's end, none running: the read groups' composes, waiting for a
-    selection), tail_us (after the last gather ends: the last group's key base and attention) and layer_us (= the
-    four). Means over the layers, and sums in ms per step. Empty where the step has no host gathers (no tier)."""
+    section, from its rotary kernel (the layer's queries and keys are ready) to its last attention kernel's end, in us:
+    lead (before the first host gather starts: the first read group's selection; PCIe idle), pcie_busy (host gather
+    kernels running: the misses over PCIe and the hot hits' short gathers), pcie_idle (inside the span from the first
+    gather's start to the last one's end, none running: the read groups' composes, waiting for a selection), tail
+    (after the last gather ends: the last group's key base and attention) and layer (= the four). -> {"layers": [..],
+    "mean_us": per layer, "sum_ms": per step}; {} where the step has no host gathers (no tier)."""
     starts = [i for i, k in enumerate(kernels) if "rotary" in k["name"]]
     layers = []
     for i, j in zip(starts, starts[1:] + [len(kernels)]):
@@ -306,8 +306,8 @@ def attention_layers(kernels: list[dict]) -> dict:
         g0, g1 = min(a for a, _ in pcie), max(b for _, b in pcie)
         end = max(att)
         busy = busy_us(pcie)
-        layers.append({"lead_us": g0 - t0, "pcie_busy_us": busy, "pcie_idle_us": g1 - g0 - busy,
-                       "tail_us": max(0.0, end - g1), "layer_us": max(end, g1) - t0})
+        layers.append({"lead": g0 - t0, "pcie_busy": busy, "pcie_idle": g1 - g0 - busy,
+                       "tail": max(0.0, end - g1), "layer": max(end, g1) - t0})
     if not layers:
         return {}
     keys = list(layers[0])

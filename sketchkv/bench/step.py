@@ -326,7 +326,7 @@ def _attention_layers_md(a: dict | None) -> list[str]:
     if not a:
         return []
     m, t = a["mean_us"], a["sum_ms"]
-    cols = ("lead_us", "pcie_busy_us", "pcie_idle_us", "tail_us", "layer_us")
+    cols = ("lead", "pcie_busy", "pcie_idle", "tail", "layer")
     return [f"The {len(a['layers'])} attention layers, each from its rotary kernel to its last attention kernel: lead "
             "(before the first host gather: the first read group's selection, PCIe idle), PCIe busy (host gathers "
             "running), PCIe idle inside the reads (composes, waits for the next group's selection), tail (after the "
@@ -370,8 +370,8 @@ def table(r: dict) -> str:
         a = p.get("attention_layers")
         if a:
             rows.append(("attention layers ms: lead / PCIe / idle / tail = sum",
-                         " / ".join(f"{a['sum_ms'][c]:.2f}" for c in ("lead_us", "pcie_busy_us", "pcie_idle_us",
-                                                                        "tail_us")) + f" = {a['sum_ms']['layer_us']:.2f}"))
+                         " / ".join(f"{a['sum_ms'][c]:.2f}" for c in ("lead", "pcie_busy", "pcie_idle",
+                                                                        "tail")) + f" = {a['sum_ms']['layer']:.2f}"))
         rows += [(f"  {k}", f"{v['ms']:.3f} ms, {v['count']} kernels")
                  for k, v in list(p["timeline"]["by_kind"].items())[:8]]
     elif p:
