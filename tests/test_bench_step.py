@@ -210,6 +210,9 @@ def test_report_of_a_kernel_timeline(tmp_path):
                                         "sum_ms": {k: v / 1e3 for k, v in layer.items()}}
     assert "| mean us per layer | 130.0 | 360.0 | 10.0 | 40.0 | 540.0 |" in step.markdown(r)
     assert "0.13 / 0.36 / 0.01 / 0.04 = 0.54" in step.table(r)
+    r["decode"].update(graph_replay_ms_mean=0.6, outside_graph_ms_mean=0.2)
+    assert "CUDA-graph replays (CUDA events around each, no profiler): 0.600 ms; outside them 0.200" in step.markdown(r)
+    assert "0.600 / 0.200" in step.table(r)
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +303,6 @@ def test_gpu_profile_timeline(tmp_path):
     assert t["span_ms"] <= r["decode"]["step_ms_max"] * 2
     assert (tmp_path / "gpu.png").stat().st_size > 10_000
     assert "## One step, kernel by kernel" in (tmp_path / "gpu.md").read_text()
+    d = r["decode"]   # every timed step replayed one decode graph, timed by CUDA events
+    assert 0 < d["graph_replay_ms_mean"] < d["step_ms_mean"]
+    assert d["outside_graph_ms_mean"] == pytest.approx(d["step_ms_mean"] - d["graph_replay_ms_mean"])

@@ -18,7 +18,7 @@ step() {
   local T=${STEP_S:-110}; timeout $(( L < T ? L : T )) "$@" --out-dir $R/$n > $R/s-$n.txt 2>&1; mark $n $?
   tar czf $OUT/r.tgz -C $(dirname $R) r; }   # after every step: a call cut short by the tool still returns them
 finish() {
-  for f in $R/s-*.txt; do [ -f $f ] && echo "$(basename $f .txt): $(grep -E '\] step |kernels|tok/s at|floor|attention layers' $f \
+  for f in $R/s-*.txt; do [ -f $f ] && echo "$(basename $f .txt): $(grep -E '\] step |kernels|tok/s at|floor|attention layers|graph replay' $f \
     | tr -s ' ' | tr '\n' ';' | cut -c1-300)"; done
   tar czf $OUT/r.tgz -C $(dirname $R) r
   tar czf /tmp/triton-cache.tgz -C $TRITON_CACHE_DIR . && [ $(stat -c %s /tmp/triton-cache.tgz) -lt 16000000 ] \

@@ -150,12 +150,18 @@ def run(args) -> dict:
             eng.step()
         # ---- timed steps
         tier0 = llm.tier_stats()
+        runner.replay_events = [] if runner.graphs else None
         times, tokens, ctx_mean = A.time_steps(eng, seqs, args.steps)
+        replays = [a.elapsed_time(b) for a, b in runner.replay_events or ()]   # ms (synced by time_steps)
+        runner.replay_events = None
         tier, pcie = A.tier_window(runner, tier0, llm.tier_stats(), len(times))
         step_s = statistics.fmean(times)
         decode = {"steps": len(times), "step_ms_mean": 1e3 * step_s, "step_ms_p50": 1e3 * statistics.median(times),
                   "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times), "tok_s": tokens / sum(times),
                   "context_mean": ctx_mean, "graphs": bool(runner.graphs)}
+        if len(replays) == len(times):   # one decode graph replay per timed step: the rest is outside it
+            decode["graph_replay_ms_mean"] = statistics.fmean(replays)
+            decode["outside_graph_ms_mean"] = decode["step_ms_mean"] - decode["graph_replay_ms_mean"]
         if steps.num_speculative_tokens:   # every step verifies every agent's drafts
             ref = args.reference_accepted_length
             decode["speculative"] = {"num_speculative_tokens": steps.num_speculative_tokens,
@@ -258,6 +264,10 @@ def markdown(r: dict, png: str = "") -> str:
           f"{d['tok_s']:.1f} | {f['ms']:.3f} | {f['fraction']:.1%} | {b['hbm'] / 1e9:.3g} ({A._gb(b['weights'])} / "
           f"{A._gb(b['gdn_state'])} / {A._gb(b['kv'])} / {A._gb(b['sketch'])}) | {b['pcie'] / 1e6:.3g} | "
           f"{'–' if r['tier'] is None else format(r['tier']['hit_rate'], '.3f')} |"]
+    if "graph_replay_ms_mean" in d:
+        L += ["", f"The timed steps' CUDA-graph replays (CUDA events around each, no profiler): "
+              f"{d['graph_replay_ms_mean']:.3f} ms; outside them {d['outside_graph_ms_mean']:.3f} ms per step (the "
+              "inputs' copies, the host's launch, the lm_head GEMM and sampling after the graph, the host's step)."]
     if d.get("speculative"):
         L += ["", "Speculative verification steps (each agent's last token + its drafts, every step): "
               + _spec_note(d) + ". A random-weight model's drafts are rejected: its measured length is ~1; the "
@@ -355,6 +365,8 @@ def table(r: dict) -> str:
              f"{d['step_ms_mean']:.3f}"),
             ("tok/s", f"{d['tok_s']:.1f}"),
             ("floor ms (fraction)", f"{f['ms']:.3f} ({f['fraction']:.1%})")]
+    if "graph_replay_ms_mean" in d:
+        rows.append(("graph replay / outside it ms", f"{d['graph_replay_ms_mean']:.3f} / {d['outside_graph_ms_mean']:.3f}"))
     if d.get("speculative"):
         rows.append(("speculative", _spec_note(d)))
     p = r["profile"]

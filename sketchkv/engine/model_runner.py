@@ -184,6 +184,7 @@ class ModelRunner:
         self.mtp_paged_layers = [m for m in self.mtp_attn_layers if not isinstance(m, WindowedAttention)]
         # (sparse family, batch bucket, blocks per sequence or row): decode and verification graphs
         self.graphs: dict[tuple[bool, int, int], torch.cuda.CUDAGraph] = {}
+        self.replay_events: list | None = None   # a list: each decode graph replay's CUDA events appended (bench step)
         self.verify_graphs: dict[tuple[bool, int, int], torch.cuda.CUDAGraph] = {}   # (sparse, batch, blocks per row)
         self.replay_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the commit's GDN replay, per bucket
         self.state_cache = StateCache(int(cfg.cache.state_cache_gb * 2**30), pin=device.type == "cuda") \
@@ -743,7 +744,14 @@ class ModelRunner:
     def _replay(self, ctx: Context, key: tuple[bool, int, int]) -> torch.Tensor:
         if self.tier is not None:
             self.tier.store.wait()  # host writes of eager steps (side stream) land before the graph reads
-        self.graphs[key].replay()
+        if self.replay_events is None:
+            self.graphs[key].replay()
+        else:   # the replay's own GPU time, no sync (what a step spends outside it: bench step)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            self.graphs[key].replay()
+            ev[1].record()
+            self.replay_events.append(ev)
         return self.g_out[:ctx.num_seqs]
 
     # ---- CUDA graphs for speculative verification ----------------------------------------------
