@@ -604,7 +604,7 @@ def test_gpu_tier_engine_matches_tier_off(gpu_ckpt):
 def test_gpu_key_base_in_attention_same_logits(gpu_ckpt, monkeypatch):
     """int4 host rows with residual keys, read groups 2, decode graphs: the keys' sketch base added inside the decode
     kernel's scores (tiered_attention.KEY_BASE_IN_ATTENTION) gives the log-probabilities of the base rewritten into
-    the K scratch (fp32 model: only the base's rounding differs, ieee fp32 against the rewrite's tf32 dot)."""
+    the K scratch (fp32 model: only the base's rounding differs: basis^T q in fp16 against the rewrite's tf32 dot)."""
     import gc
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6000, 3000, 900)]

@@ -124,10 +124,19 @@ if triton is not None:
             q = q.to(tl.float32)
         if KEY_BASE:  # the keys' sketch base in the scores: q . (mean + basis c) = q . mean + (basis^T q) . c
             offs_r = tl.arange(0, R)
-            qf = q.to(tl.float32)
-            qm = tl.sum(qf * tl.load(mean_ptr + kvh * D + offs_d)[None, :], 1)                       # [M]
-            qt = tl.dot(qf, tl.load(basis_ptr + kvh * D * R + offs_d[:, None] * R + offs_r[None, :]),
-                        input_precision="ieee")                                                      # [M, R]
+            qm = tl.sum(q.to(tl.float32) * tl.load(mean_ptr + kvh * D + offs_d)[None, :], 1)        # [M]
+            # q~ = basis^T q in fp32 FMAs over chunks of 8 dims: a dot's fp32 operand tiles in shared memory
+            # (48 KB at D = 256, rank 32) would cut the programs per SM the split sizing counts on
+            qt = tl.zeros([M_PAD, R], tl.float32)
+            for d0 in range(0, D, 8):
+                dd = d0 + tl.arange(0, 8)
+                qc = tl.load(q_ptr + row[:, None] * stride_qb + heads[:, None] * stride_qh + dd[None, :],
+                             mask=gmask[:, None], other=0.0).to(tl.float32)                            # [M, 8]
+                bc = tl.load(basis_ptr + kvh * D * R + dd[:, None] * R + offs_r[None, :])               # [8, R]
+                qt += tl.sum(qc[:, :, None] * bc[None, :, :], 1)                                         # [M, R]
+            # fp16 for the tensor cores (relative 2^-11: below the bf16 rounding of a rewritten key); the
+            # coefficients' integers are exact in fp16, their scale applies to the fp32 product
+            qt = qt.to(tl.float16)
 
         m_i = tl.full([M_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([M_PAD], tl.float32)
@@ -163,9 +172,9 @@ if triton is not None:
                 sk = tl.maximum(slot, 0).to(tl.int64) * tl.num_programs(1) + kvh
                 packed = tl.load(sk_ptr + sk[:, None] * (R // 2) + tl.arange(0, R // 2)[None, :], mask=has[:, None],
                                  other=0).to(tl.int32)
-                coeff = tl.reshape(tl.join((packed & 15) - 8, (packed >> 4) - 8), (BLOCK_N, R)).to(tl.float32)
-                coeff = coeff * tl.load(sc_ptr + sk, mask=has, other=0.0).to(tl.float32)[:, None]
-                base = tl.dot(qt, tl.trans(coeff), input_precision="ieee") + qm[:, None]
+                coeff = tl.reshape(tl.join((packed & 15) - 8, (packed >> 4) - 8), (BLOCK_N, R)).to(tl.float16)
+                sc = tl.load(sc_ptr + sk, mask=has, other=0.0).to(tl.float32)
+                base = tl.dot(qt, tl.trans(coeff), out_dtype=tl.float32) * sc[None, :] + qm[:, None]
                 qk += tl.where(has[None, :], base, 0.0)
             qk = qk * qk_scale  # log2 domain (scale * log2(e) folded in)
             if GROUPED:  # a row past its own count sees nothing of this tile: keep its max finite
@@ -258,7 +267,8 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     key_base (miss, hit, pool_slots, sketch, scale, mean, basis): the host tier's residual keys (k - base, see
     ops/sketch_base.py) completed inside the scores instead of rewritten: cache row j (flat: block * block_size +
     offset) has the slot miss[j], else pool_slots[hit[j]] where hit[j] >= 0, else none (a whole key, unchanged);
-    with a slot the score adds q . mean + (basis^T q) . coefficients(slot), in fp32."""
+    with a slot the score adds q . mean + (basis^T q) . coefficients(slot) (q . mean and basis^T q in fp32, rounded to
+    fp16 for the tensor-core product with the coefficients' integers; their scale on the fp32 product)."""
     R, Hq, D = q.shape
     firsts, lasts, group, most_rows = row_groups if row_groups is not None else (seq_lens, seq_lens, seq_lens, 1)
     B = firsts.shape[0] if row_groups is not None else R   # programs' sequences: groups, or rows
