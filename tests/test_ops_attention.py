@@ -257,10 +257,9 @@ def test_interp_decode_kernel_key_base(grouped, nan_empty):
     assert rel_err_rows(paged_attention_decode(q, k, v, None, lens, 0.2, **kw), want) > 1e-2   # the base matters
 
 
+@pytest.mark.skipif(pa._INTERPRETED, reason="interpreted process dispatches to the kernel")
 def test_decode_key_base_reference_path():
     """Without Triton (plain CPU) key_base completes the keys by ops.sketch_base, then the reference."""
-    if pa._INTERPRETED:
-        pytest.skip("the interpreted process dispatches to the kernel")
     k, v, kb, k_done = key_base_case(2, 2, 16, 2, 32, 8, torch.bfloat16, seed=7)
     lens = torch.tensor([32, 17], dtype=torch.int32)
     q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(8)).bfloat16()

@@ -298,9 +298,9 @@ class HostTier:
         return rec.view(B, Np, -1)
 
     def fill_hits(self, layer: int, k: torch.Tensor, v: torch.Tensor, miss: torch.Tensor, hit: torch.Tensor,
-                  records: torch.Tensor, key_base: bool = True) -> None:
+                  records: torch.Tensor, add_base: bool = True) -> None:
         """Step 3 (GPU memory): the hot-buffer hits (and with miss_read "rows" the misses' records) dequantised into
-        k, v, then the residual keys' base added back (unless key_base is False: the decode kernel adds it to the
+        k, v, then the residual keys' base added back (unless add_base is False: the decode kernel adds it to the
         scores, tiered_attention.KEY_BASE_IN_ATTENTION)."""
         B, Np = miss.shape
         kf, vf = k.view(B * Np, self.Hkv, self.D), v.view(B * Np, self.Hkv, self.D)
@@ -309,7 +309,7 @@ class HostTier:
             local = torch.where(m >= 0, torch.arange(m.numel(), device=m.device, dtype=torch.int32), -1)
             host_gather(records.view(B * Np, -1), local, kf, vf, self.store.fmt)
         host_gather(self.hot.rows[layer], hit.flatten(), kf, vf, self.store.fmt)
-        if self.key_base is not None and key_base:   # rows from host records (misses, hot hits); resident rows: -1
+        if self.key_base is not None and add_base:   # rows from host records (misses, hot hits); resident rows: -1
             self.key_base[layer](kf, miss.flatten(), +1, out=kf, hits=hit.flatten(), pool_slots=self.hot.key[layer])
 
     def gather(self, layer: int, pos: torch.Tensor, counts: torch.Tensor, block_tables: torch.Tensor,

@@ -25,6 +25,8 @@ second stream while the next group's selection is scored, its attention after th
 Prefill: chunks of a sequence with cached tokens attend over the prefix read back from the tier (or, with
 prefill_selection=chunk, over the rows one selection per chunk picked: only those are read).
 """
+import functools
+
 import torch
 
 from sketchkv.engine.context import get_context
@@ -119,16 +121,21 @@ class TieredKV:
         attend stream (see HostTier.attending), and the tensors they share are appended to keep, to stay referenced
         until join_reads."""
         split = keep is not None
+        compose = functools.partial(self.tier.compose, self.layer, idx[:, 0],
+                                    counts if groups is None else counts[groups[1]], block_tables, seq_lens,
+                                    state_slots, miss_out=miss)
         # the compose on the read stream (the next group's selection need not wait for it) or, with
-        # host_tier.COMPOSE_ON_READ_STREAM False, before it on this one (the reads then wait for nothing but PCIe)
-        with self.tier.reading(split and host_tier.COMPOSE_ON_READ_STREAM):
-            k, v, miss, hit = self.tier.compose(self.layer, idx[:, 0], counts if groups is None else counts[groups[1]],
-                                                block_tables, seq_lens, state_slots, miss_out=miss)
+        # host_tier.COMPOSE_ON_READ_STREAM False, before the reads on this one (they then wait for nothing but PCIe)
+        early = split and not host_tier.COMPOSE_ON_READ_STREAM
+        if early:
+            k, v, miss, hit = compose()
         with self.tier.reading(split):
+            if not early:
+                k, v, miss, hit = compose()
             records = self.tier.read_misses(self.layer, k, v, miss, rec_out=records)
         fold = KEY_BASE_IN_ATTENTION and self.tier.key_base is not None
         with self.tier.attending(split):
-            self.tier.fill_hits(self.layer, k, v, miss, hit, records, key_base=not fold)
+            self.tier.fill_hits(self.layer, k, v, miss, hit, records, add_base=not fold)
             B, Np = miss.shape
             nb = Np // ATTN_BLOCK
             kb = (miss.view(-1), hit.view(-1), self.tier.hot.key[self.layer], *self.sketch_base_args()) if fold else None

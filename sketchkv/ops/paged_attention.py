@@ -358,7 +358,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, *
         kf = apply_sketch_base(kf, miss, sketch, sk_scale, mean, basis, +1,
                                out=torch.empty(kf.shape, dtype=torch.float32, device=kf.device),
                                hits=hit, pool_slots=pool_slots)
-        k_cache, v_cache = kf.view(k_cache.shape), v_cache.float()
+        k_cache = kf.view(k_cache.shape)
     if block_tables is None:   # row (group) b's own blocks, see paged_attention_decode_triton
         B = row_groups[0].shape[0] if row_groups is not None else q.shape[0]
         nb = k_cache.shape[0] // B
